@@ -1,0 +1,331 @@
+r"""AccumulationScheduler: exact gradient accumulation with schedules by epoch, step or sample.
+
+This module is the only place that talks to the Trainer: it asks the schedule for the factor at each window
+boundary, owns the window, tells Lightning's loop where windows start and end, and keeps what a resumed run needs in
+the checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_accum._loop import LoopControl
+from lightning_accum.schedule import (
+    BatchSizeRamp,
+    Schedule,
+    build_schedule,
+    check_int,
+    check_unit,
+    count_optimizer_steps,
+)
+from lightning_accum.window import Window
+
+
+class AccumulationScheduler(Callback):
+    r"""Accumulate gradients exactly, with a factor that may change by epoch, optimizer step or samples consumed.
+
+    Every optimizer step equals the step of one big batch made of its window's micro-batches: each micro-batch's loss
+    is divided by the number of micro-batches the window really holds, so the last, incomplete window of an epoch is
+    weighed right, and a factor change never splits or merges a window.
+
+    **When a change takes effect.** A new factor applies from the first window that *starts* at or after its
+    position; the window in progress always finishes with the factor it was opened with.
+
+    - ``unit="epoch"``: at the first batch of that epoch (windows never span epochs).
+    - ``unit="step"``: exactly at that optimizer step (``trainer.global_step``), which is always a window boundary.
+    - ``unit="sample"`` (and the ramp): at the first window that starts once that many samples have been consumed by
+      all ranks together. Samples are counted as ``micro_batch_size x world_size`` per micro-batch.
+
+    The last window of an epoch holds the batches that are left; it steps with the mean over those.
+
+    Args:
+        scheduling: ``{position: factor}``; positions before the first key use factor 1. ``None`` with no
+            ``target_batch_size`` means factor 1 throughout.
+        unit: What the keys of ``scheduling`` count: ``"epoch"`` (as Lightning's ``GradientAccumulationScheduler``),
+            ``"step"`` (optimizer steps) or ``"sample"`` (samples consumed by all ranks together).
+        target_batch_size: The global effective batch in samples; the factor is
+            ``target_batch_size / (micro_batch_size x world_size)``, which must be a whole number.
+        ramp_start_batch_size: With ``ramp_increment`` and ``ramp_samples``: start the global batch at this size
+            and grow it linearly to ``target_batch_size``, as Megatron's ``--rampup-batch-size``.
+        ramp_increment: How much the global batch grows at each stage of the ramp.
+        ramp_samples: Samples (all ranks together) over which the ramp reaches ``target_batch_size``.
+        micro_batch_size: Samples per micro-batch on one rank. By default read from the train dataloader's
+            ``batch_size``; needed only for ``target_batch_size`` and ``unit="sample"``.
+
+    Raises:
+        TypeError: If an argument has the wrong type (a non-integer key or factor, a non-dict schedule).
+        ValueError: If an argument has a wrong value (an empty schedule, a negative key, a factor below 1, an unknown
+            unit, both ``scheduling`` and ``target_batch_size``, an incomplete ramp). Conflicts that need the Trainer
+            (``Trainer(accumulate_grad_batches != 1)``, a strategy that accumulates by itself such as DeepSpeed,
+            manual optimization, a target that does not divide) raise ``ValueError`` before the first batch.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning_accum import AccumulationScheduler
+
+        # factor 2 for the first 100 optimizer steps, then 8
+        trainer = Trainer(callbacks=[AccumulationScheduler(scheduling={0: 2, 100: 8}, unit="step")])
+
+        # a global batch of 256 samples, ramped up from 64 over the first 100k samples
+        AccumulationScheduler(target_batch_size=256, ramp_start_batch_size=64, ramp_increment=64, ramp_samples=100_000)
+    """
+
+    def __init__(
+        self,
+        scheduling: dict[int, int] | None = None,
+        unit: Literal["epoch", "step", "sample"] = "epoch",
+        target_batch_size: int | None = None,
+        ramp_start_batch_size: int | None = None,
+        ramp_increment: int | None = None,
+        ramp_samples: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self._unit = check_unit(unit)
+        if scheduling is not None:
+            if target_batch_size is not None:
+                raise ValueError(
+                    f"Give either `scheduling` (factors) or `target_batch_size` (a global batch), not both:"
+                    f" got scheduling={scheduling!r} and target_batch_size={target_batch_size!r}"
+                )
+            self._scheduling: dict[int, int] | None = dict(Schedule.from_mapping(scheduling, unit).points)
+        else:
+            self._scheduling = None
+        if target_batch_size is not None:
+            check_int("target_batch_size", target_batch_size, minimum=1)
+        self._target_batch_size = target_batch_size
+        self._ramp = self._make_ramp(target_batch_size, ramp_start_batch_size, ramp_increment, ramp_samples)
+        self._micro_batch_size = (
+            None if micro_batch_size is None else check_int("micro_batch_size", micro_batch_size, 1)
+        )
+
+        self._window = Window()
+        self._samples_seen = 0
+        self._schedule: Schedule | None = None
+        self._samples_per_micro_step = 0
+        self._loop: LoopControl | None = None
+        self._trainer_accumulate_grad_batches = 1
+
+    @staticmethod
+    def _make_ramp(
+        target: int | None, start: int | None, increment: int | None, samples: int | None
+    ) -> BatchSizeRamp | None:
+        given = {"ramp_start_batch_size": start, "ramp_increment": increment, "ramp_samples": samples}
+        if all(value is None for value in given.values()):
+            return None
+        missing = [name for name, value in given.items() if value is None]
+        if missing:
+            raise ValueError(f"A batch-size ramp needs all of {list(given)}; missing {missing} (got {given})")
+        if target is None:
+            raise ValueError(f"A batch-size ramp needs `target_batch_size`, the size it ramps to (got {given})")
+        return BatchSizeRamp(start=start, increment=increment, samples=samples, target=target)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ what the user can ask
+
+    @property
+    def factor(self) -> int:
+        """The size of the window in progress (the factor it was opened with, or what was left of the epoch)."""
+        return self._window.size
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples consumed by all ranks together, counted as ``micro_batch_size x world_size`` per micro-batch."""
+        return self._samples_seen
+
+    def estimated_stepping_batches(self, trainer: pl.Trainer) -> int | float:
+        """The number of optimizer steps this run takes under the schedule, for sizing LR schedulers.
+
+        ``trainer.estimated_stepping_batches`` assumes one constant factor (``Trainer(accumulate_grad_batches)``);
+        call this instead, or :func:`estimated_stepping_batches`, from ``configure_optimizers``.
+
+        Example::
+
+            def configure_optimizers(self):
+                optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+                total = lightning_accum.estimated_stepping_batches(self.trainer)
+                scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=total)
+                return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+        """
+        if trainer.max_epochs == -1 and trainer.max_steps == -1:
+            return float("inf")
+        if trainer.train_dataloader is None:
+            trainer.fit_loop.setup_data()
+        batches = trainer.num_training_batches
+        if batches == float("inf"):
+            return float("inf") if trainer.max_steps == -1 else trainer.max_steps
+        schedule = self._build_schedule(trainer, _infer_micro_batch_size(trainer, self._micro_batch_size))
+        return count_optimizer_steps(
+            schedule,
+            batches_per_epoch=int(batches),
+            max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1,
+            max_steps=trainer.max_steps,
+            samples_per_micro_step=self._samples_per_micro_step,
+        )
+
+    # ------------------------------------------------------------------ Trainer hooks
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _check_trainer(trainer, pl_module, self)
+        self._trainer_accumulate_grad_batches = trainer.accumulate_grad_batches
+        self._loop = LoopControl(trainer, lambda: self._window.is_first, lambda: self._window.closed)
+        self._loop.install()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        # every rank must build the same schedule: the micro-batch size of rank 0 decides
+        micro_batch_size = trainer.strategy.broadcast(_infer_micro_batch_size(trainer, self._micro_batch_size), src=0)
+        self._schedule = self._build_schedule(trainer, micro_batch_size)
+        if self._schedule.max_factor > 1:
+            rank_zero_info(
+                f"AccumulationScheduler: this run takes {self.estimated_stepping_batches(trainer)} optimizer steps;"
+                " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
+                " `lightning_accum.estimated_stepping_batches(trainer)`."
+            )
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        if not self._window.closed:
+            # an epoch cut short (should_stop, a skipped rest of epoch): its partial window never stepped
+            self._window.discard()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._window.closed:
+            factor = self._factor_now(trainer)
+            # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
+            self._window.open(int(min(factor, trainer.num_training_batches - batch_idx)))
+            trainer.accumulate_grad_batches = self._window.size
+        ends_epoch = batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch
+        self._window.take(ends_epoch=ends_epoch)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        correction = self._window.gradient_correction
+        if correction != 1.0:  # only an epoch of unknown length ends a window early
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            param.grad.mul_(correction)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+        self._samples_seen += self._samples_per_micro_step
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._release(trainer)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._release(trainer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_seen": self._samples_seen, "window": self._window.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._samples_seen = int(state_dict.get("samples_seen", 0))
+        self._window.load_state_dict(state_dict.get("window", {}))
+        if not self._window.closed:
+            rank_zero_warn(
+                f"AccumulationScheduler: the checkpoint was written after micro-step {self._window.taken} of a window"
+                f" of {self._window.size}; that window's gradients are not in the checkpoint, so training resumes"
+                " with a new window. Save checkpoints at optimizer steps to resume exactly."
+            )
+            self._window.discard()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _build_schedule(self, trainer: pl.Trainer, micro_batch_size: int | None) -> Schedule:
+        self._samples_per_micro_step = (micro_batch_size or 0) * trainer.world_size
+        if self._unit == "sample" and self._scheduling is not None and micro_batch_size is None:
+            raise ValueError(
+                "`unit='sample'` counts samples, but the micro-batch size could not be read from the train"
+                " dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+            )
+        return build_schedule(
+            self._scheduling, self._unit, self._target_batch_size, self._ramp, micro_batch_size, trainer.world_size
+        )
+
+    def _factor_now(self, trainer: pl.Trainer) -> int:
+        assert self._schedule is not None, "on_train_start builds the schedule"
+        position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": self._samples_seen}
+        return self._schedule.factor_at(position[self._schedule.unit])
+
+    def _release(self, trainer: pl.Trainer) -> None:
+        if self._loop is not None:
+            self._loop.remove()
+            self._loop = None
+            trainer.accumulate_grad_batches = self._trainer_accumulate_grad_batches
+
+
+def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
+    """The optimizer steps of this fit under the trainer's :class:`AccumulationScheduler`.
+
+    Falls back to ``trainer.estimated_stepping_batches`` when no ``AccumulationScheduler`` is attached, so a module
+    can call it unconditionally from ``configure_optimizers``.
+
+    Example::
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            total = lightning_accum.estimated_stepping_batches(self.trainer)
+            return [optimizer], [torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=total)]
+    """
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, AccumulationScheduler):
+            return callback.estimated_stepping_batches(trainer)
+    return trainer.estimated_stepping_batches
+
+
+def _infer_micro_batch_size(trainer: pl.Trainer, given: int | None) -> int | None:
+    """The per-rank micro-batch size: ``given``, else the train dataloader's ``batch_size``, else ``None``."""
+    if given is not None:
+        return given
+    loader = trainer.train_dataloader
+    if not isinstance(loader, DataLoader):
+        return None
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: AccumulationScheduler) -> None:
+    """Raise before the first batch when the Trainer cannot run the callback."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"AccumulationScheduler sets the factor itself: remove `Trainer(accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches})` or give the factor as AccumulationScheduler(scheduling={{0:"
+            f" {trainer.accumulate_grad_batches}}})"
+        )
+    if trainer.strategy.handles_gradient_accumulation:
+        raise ValueError(
+            f"`{type(trainer.strategy).__name__}` accumulates gradients by itself (as DeepSpeed does), so"
+            " AccumulationScheduler cannot control its windows: use its own accumulation setting instead"
+        )
+    if not pl_module.automatic_optimization:
+        raise ValueError(
+            "AccumulationScheduler drives automatic optimization; with `automatic_optimization = False` call"
+            " `manual_backward` and `optimizer.step()` yourself at the window boundaries"
+        )
+    for other in trainer.callbacks:  # type: ignore[attr-defined]
+        if other is not callback and isinstance(other, (AccumulationScheduler, GradientAccumulationScheduler)):
+            raise ValueError(
+                f"Only one accumulation callback may be attached: found {type(other).__name__} beside this"
+                " AccumulationScheduler"
+            )

@@ -1,0 +1,319 @@
+"""Accumulation schedules: which factor applies at which position.
+
+This module owns the arithmetic of *how many micro-batches make one optimizer step*: validating a user's schedule,
+looking up the factor at a position (an epoch, an optimizer step or a number of samples), turning a target global
+batch size or a Megatron-style batch-size ramp into factors, and counting the optimizer steps a finite run will take.
+
+It is pure: it imports no Lightning and holds no Trainer state, so every rule here is tested without a Trainer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Unit = Literal["epoch", "step", "sample"]
+UNITS: tuple[str, ...] = get_args(Unit)
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an integer of at least ``minimum``; raise a message naming ``name`` otherwise.
+
+    Raises:
+        TypeError: If ``value`` is not an ``int`` (``bool`` is refused too).
+        ValueError: If ``value`` is below ``minimum``.
+
+    Example::
+
+        >>> check_int("factor", 4, minimum=1)
+        4
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an integer, got {value!r} of type {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def check_unit(unit: object) -> Unit:
+    """Return ``unit`` if it is one of :data:`UNITS`.
+
+    Raises:
+        ValueError: If ``unit`` is not ``'epoch'``, ``'step'`` or ``'sample'``.
+
+    Example::
+
+        >>> check_unit("step")
+        'step'
+    """
+    if unit not in UNITS:
+        allowed = ", ".join(repr(u) for u in UNITS[:-1]) + f" or {UNITS[-1]!r}"
+        raise ValueError(f"`unit` must be one of {allowed}, got {unit!r}")
+    return unit  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A piecewise-constant accumulation factor over epochs, optimizer steps or samples.
+
+    Args:
+        points: ``(position, factor)`` pairs sorted by position; the first position is 0.
+        unit: What the positions count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (samples consumed
+            by all ranks together).
+
+    Example::
+
+        >>> s = Schedule.from_mapping({2: 4, 5: 8}, unit="epoch")
+        >>> [s.factor_at(e) for e in range(7)]
+        [1, 1, 4, 4, 4, 8, 8]
+    """
+
+    points: tuple[tuple[int, int], ...]
+    unit: Unit = "epoch"
+
+    @classmethod
+    def from_mapping(cls, scheduling: Mapping[int, int], unit: str = "epoch", name: str = "scheduling") -> Schedule:
+        """Validate a ``{position: factor}`` mapping and build a schedule from a copy of it.
+
+        Positions before the first key use factor 1, as in Lightning's ``GradientAccumulationScheduler``.
+
+        Raises:
+            TypeError: If ``scheduling`` is not a mapping, or a key or factor is not an integer.
+            ValueError: If it is empty, a key is negative or a factor is below 1.
+        """
+        if not isinstance(scheduling, Mapping):
+            raise TypeError(
+                f"`{name}` must be a dict of {{position: factor}}, got {scheduling!r} of type"
+                f" {type(scheduling).__name__}"
+            )
+        if not scheduling:
+            raise ValueError(f"`{name}` must not be empty: give at least one {{position: factor}} pair, e.g. {{0: 4}}")
+        points = {}
+        for key, factor in scheduling.items():
+            check_int(f"{name} key {key!r}", key, minimum=0)
+            check_int(f"{name}[{key!r}] (the factor)", factor, minimum=1)
+            points[key] = factor
+        points.setdefault(0, 1)
+        return cls(points=tuple(sorted(points.items())), unit=check_unit(unit))
+
+    @classmethod
+    def constant(cls, factor: int) -> Schedule:
+        """A schedule with one factor everywhere.
+
+        Example::
+
+            >>> Schedule.constant(4).factor_at(10**9)
+            4
+        """
+        return cls(points=((0, check_int("factor", factor, minimum=1)),), unit="step")
+
+    def factor_at(self, position: int) -> int:
+        """The factor in force at ``position`` (counted in :attr:`unit`)."""
+        index = bisect.bisect_right(self.points, position, key=lambda point: point[0]) - 1
+        return self.points[index][1]
+
+    def next_change(self, position: int) -> int | None:
+        """The first position after ``position`` where the factor may change, or ``None`` if it never does."""
+        index = bisect.bisect_right(self.points, position, key=lambda point: point[0])
+        return self.points[index][0] if index < len(self.points) else None
+
+    @property
+    def max_factor(self) -> int:
+        """The largest factor the schedule ever uses."""
+        return max(factor for _, factor in self.points)
+
+
+def nearest_valid_batch_sizes(batch_size: int, multiple: int) -> tuple[int, ...]:
+    """The multiples of ``multiple`` just below and above ``batch_size`` (the one below only if it is positive).
+
+    Example::
+
+        >>> nearest_valid_batch_sizes(100, 8 * 16)
+        (128,)
+        >>> nearest_valid_batch_sizes(100, 16)
+        (96, 112)
+    """
+    below = batch_size // multiple * multiple
+    above = below if below == batch_size else below + multiple
+    return tuple(sorted({size for size in (below, above) if size > 0}))
+
+
+def factor_for_batch_size(
+    batch_size: int, micro_batch_size: int, world_size: int, name: str = "target_batch_size"
+) -> int:
+    """The accumulation factor that makes ``micro_batch_size x factor x world_size == batch_size``.
+
+    Raises:
+        ValueError: If ``batch_size`` is not a multiple of ``micro_batch_size x world_size``; the message shows the
+            numbers and the nearest valid batch sizes.
+
+    Example::
+
+        >>> factor_for_batch_size(256, micro_batch_size=8, world_size=4)
+        8
+    """
+    per_micro_step = micro_batch_size * world_size
+    if batch_size % per_micro_step:
+        nearest = " or ".join(str(size) for size in nearest_valid_batch_sizes(batch_size, per_micro_step))
+        raise ValueError(
+            f"`{name}={batch_size}` is not a multiple of micro_batch_size x world_size ="
+            f" {micro_batch_size} x {world_size} = {per_micro_step}, so no whole accumulation factor reaches it"
+            f" ({batch_size} != {micro_batch_size} x factor x {world_size}). Nearest valid: {nearest}."
+        )
+    return batch_size // per_micro_step
+
+
+@dataclass(frozen=True)
+class BatchSizeRamp:
+    """A linear ramp of the global batch size, as Megatron's ``--rampup-batch-size <start> <increment> <samples>``.
+
+    The global batch starts at ``start`` and grows by ``increment`` each time another
+    ``samples / ((target - start) / increment)`` samples have been consumed, reaching ``target`` after ``samples``.
+
+    Args:
+        start: The first global batch size, in samples.
+        increment: How much the global batch grows at each stage, in samples.
+        samples: Samples consumed (all ranks together) over which the ramp runs.
+        target: The final global batch size.
+
+    Raises:
+        TypeError: If an argument is not an integer.
+        ValueError: If an argument is below 1, ``start >= target``, or ``target - start`` is not a multiple of
+            ``increment``.
+
+    Example::
+
+        >>> BatchSizeRamp(start=32, increment=32, samples=300, target=128).stages()
+        [(0, 32), (100, 64), (200, 96), (300, 128)]
+    """
+
+    start: int
+    increment: int
+    samples: int
+    target: int
+
+    def __post_init__(self) -> None:
+        for field in ("start", "increment", "samples", "target"):
+            check_int(f"ramp_{field}" if field != "target" else "target_batch_size", getattr(self, field), minimum=1)
+        if self.start >= self.target:
+            raise ValueError(
+                f"`ramp_start={self.start}` must be smaller than `target_batch_size={self.target}` for a ramp"
+            )
+        if (self.target - self.start) % self.increment:
+            raise ValueError(
+                f"`ramp_increment={self.increment}` must divide target_batch_size - ramp_start ="
+                f" {self.target} - {self.start} = {self.target - self.start}"
+            )
+
+    def stages(self) -> list[tuple[int, int]]:
+        """``(samples consumed, global batch size)`` at which each stage of the ramp begins."""
+        increments = (self.target - self.start) // self.increment
+        return [
+            (math.ceil(i * self.samples / increments), self.start + i * self.increment) for i in range(increments + 1)
+        ]
+
+
+def build_schedule(
+    scheduling: Mapping[int, int] | None,
+    unit: str,
+    target_batch_size: int | None,
+    ramp: BatchSizeRamp | None,
+    micro_batch_size: int | None,
+    world_size: int,
+) -> Schedule:
+    """The schedule that a set of user arguments describes, once the micro-batch size and world size are known.
+
+    ``scheduling`` gives factors directly; ``target_batch_size`` (with an optional ``ramp``) gives global batch sizes,
+    turned into factors with :func:`factor_for_batch_size`. With neither, the factor is 1.
+
+    Raises:
+        ValueError: If a batch size does not divide, or one is needed and ``micro_batch_size`` is unknown.
+
+    Example::
+
+        >>> build_schedule(None, "epoch", 64, None, micro_batch_size=4, world_size=2).factor_at(0)
+        8
+    """
+    if scheduling is not None:
+        return Schedule.from_mapping(scheduling, unit)
+    if target_batch_size is None:
+        return Schedule.constant(1)
+    if micro_batch_size is None:
+        raise ValueError(
+            f"`target_batch_size={target_batch_size}` needs the micro-batch size, which could not be read from the"
+            " train dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+        )
+    if ramp is None:
+        return Schedule.constant(factor_for_batch_size(target_batch_size, micro_batch_size, world_size))
+    points, invalid = [], []
+    for samples, batch_size in ramp.stages():
+        try:
+            points.append((samples, factor_for_batch_size(batch_size, micro_batch_size, world_size)))
+        except ValueError:
+            invalid.append(batch_size)
+    if invalid:
+        per_micro_step = micro_batch_size * world_size
+        raise ValueError(
+            f"The batch-size ramp (ramp_start={ramp.start}, ramp_increment={ramp.increment},"
+            f" target_batch_size={ramp.target}) passes through global batch sizes {invalid} that are not multiples of"
+            f" micro_batch_size x world_size = {micro_batch_size} x {world_size} = {per_micro_step}: choose"
+            f" ramp_start and ramp_increment as multiples of {per_micro_step}"
+        )
+    return Schedule(points=tuple(points), unit="sample")
+
+
+def count_optimizer_steps(
+    schedule: Schedule,
+    batches_per_epoch: int,
+    max_epochs: int,
+    max_steps: int = -1,
+    samples_per_micro_step: int = 1,
+) -> int:
+    """The number of optimizer steps a finite run takes under ``schedule``, from the start of training.
+
+    Windows never span an epoch boundary: the last window of an epoch may be incomplete and still steps. A factor
+    change takes effect at the first window that starts at or after its position.
+
+    Args:
+        schedule: The accumulation schedule.
+        batches_per_epoch: Micro-batches per epoch on each rank.
+        max_epochs: Epochs to train; -1 for no limit (then ``max_steps`` must be set).
+        max_steps: Optimizer steps after which training stops; -1 for no limit.
+        samples_per_micro_step: Samples all ranks consume together in one micro-step (micro-batch x world size).
+
+    Raises:
+        ValueError: If neither ``max_epochs`` nor ``max_steps`` bounds the run.
+
+    Example::
+
+        >>> count_optimizer_steps(Schedule.constant(4), batches_per_epoch=10, max_epochs=3)
+        9
+    """
+    if max_epochs < 0 and max_steps < 0:
+        raise ValueError("count_optimizer_steps needs a finite `max_epochs` or `max_steps`")
+    if batches_per_epoch <= 0:
+        return 0
+    steps = samples = epoch = 0
+    while (max_epochs < 0 or epoch < max_epochs) and (max_steps < 0 or steps < max_steps):
+        batch = 0
+        while batch < batches_per_epoch and (max_steps < 0 or steps < max_steps):
+            position = {"epoch": epoch, "step": steps, "sample": samples}[schedule.unit]
+            factor = schedule.factor_at(position)
+            left = batches_per_epoch - batch
+            windows = math.ceil(left / factor)  # the rest of the epoch, last window possibly incomplete
+            change = schedule.next_change(position)
+            if change is not None and schedule.unit == "step":
+                windows = min(windows, change - steps)
+            elif change is not None and schedule.unit == "sample":
+                windows = min(windows, math.ceil((change - samples) / (factor * samples_per_micro_step)))
+            if max_steps >= 0:
+                windows = min(windows, max_steps - steps)
+            used = min(windows * factor, left)
+            batch += used
+            steps += windows
+            samples += used * samples_per_micro_step
+        epoch += 1
+    return steps

@@ -1,0 +1,101 @@
+"""A tiny regression model, its Lightning wrapper, and the plain-PyTorch big-batch reference.
+
+The reference never imports lightning_accum: it takes one SGD step per window on the mean loss over the window's
+micro-batches, with the windows written out by hand in each test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+IN_FEATURES = 5
+LR = 0.1
+
+
+def make_data(num_samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, IN_FEATURES, generator=generator)
+    y = x @ torch.randn(IN_FEATURES, 1, generator=generator) + 0.3 * torch.randn(num_samples, 1, generator=generator)
+    return x, y
+
+
+def make_net(seed: int = 1) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, 4), nn.Tanh(), nn.Linear(4, 1))
+
+
+class RegressionModule(pl.LightningModule):
+    def __init__(self, seed: int = 1, lr: float = LR) -> None:
+        super().__init__()
+        self.net = make_net(seed)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class BatchStream(IterableDataset):
+    """Yields ready-made batches and has no length: Lightning cannot know where an epoch ends."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> None:
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for start in range(0, len(self.x), self.batch_size):
+            yield self.x[start : start + self.batch_size], self.y[start : start + self.batch_size]
+
+
+def loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def trainer(callbacks: Sequence[pl.Callback] = (), **kwargs: Any) -> pl.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **defaults)
+
+
+def reference_weights(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, windows: Sequence[Sequence[int]], seed: int = 1, lr: float = LR
+) -> list[torch.Tensor]:
+    """Plain PyTorch: for each epoch, one SGD step per window on the mean loss over the window's micro-batches."""
+    net = make_net(seed)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
+    batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+    for epoch_windows in windows:
+        assert sum(epoch_windows) == len(batches), "the windows of an epoch must cover its batches"
+        start = 0
+        for size in epoch_windows:
+            window = batches[start : start + size]
+            start += size
+            optimizer.zero_grad()
+            loss = sum(nn.functional.mse_loss(net(bx), by) for bx, by in window) / len(window)
+            loss.backward()
+            optimizer.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def weights(module: pl.LightningModule) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def max_deviation(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a, b, strict=True))
