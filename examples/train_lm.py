@@ -2,7 +2,8 @@
 
 Runs on a laptop CPU in about a minute and needs no download: the corpus is the ``.py`` files of the Python that
 runs it. The global batch ramps from 16 to 64 sequences over the first 3,000 samples while each micro-batch stays at
-8, so the accumulation factor goes 2 -> 4 -> 6 -> 8 in the middle of the epoch, exactly.
+8, so the accumulation factor goes 2 -> 4 -> 6 -> 8 in the middle of the epoch, exactly, and the learning rate follows
+the square root of the effective batch. Logs go to ./lightning_logs: `tensorboard --logdir lightning_logs`.
 
     python examples/train_lm.py --max_steps 200
 """
@@ -88,7 +89,7 @@ def main() -> None:
     pl.seed_everything(0)
     data = DataLoader(ByteWindows(read_corpus(args.corpus_bytes), context=64), batch_size=args.micro_batch_size)
     accumulation = AccumulationScheduler(
-        target_batch_size=64, ramp_start_batch_size=16, ramp_increment=16, ramp_samples=3_000
+        target_batch_size=64, ramp_start_batch_size=16, ramp_increment=16, ramp_samples=3_000, lr_scaling="sqrt"
     )
     trainer = pl.Trainer(accelerator="cpu", max_steps=args.max_steps, callbacks=[accumulation], log_every_n_steps=5)
     trainer.fit(ByteLM(), data)

@@ -7,16 +7,20 @@ the checkpoint.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
+from lightning_accum.monitor import StepRecord, memory_metrics, step_metrics, summary_text, tensorboard_layout
+from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale
 from lightning_accum.schedule import (
     BatchSizeRamp,
     Schedule,
@@ -57,7 +61,18 @@ class AccumulationScheduler(Callback):
         ramp_increment: How much the global batch grows at each stage of the ramp.
         ramp_samples: Samples (all ranks together) over which the ramp reaches ``target_batch_size``.
         micro_batch_size: Samples per micro-batch on one rank. By default read from the train dataloader's
-            ``batch_size``; needed only for ``target_batch_size`` and ``unit="sample"``.
+            ``batch_size``; needed only for ``target_batch_size``, ``unit="sample"`` and a ``base_batch_size``.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the optimizer's learning rate is the configured one (as the
+            LR scheduler shapes it) times ``effective / base`` or ``sqrt(effective / base)``, re-applied whenever the
+            effective batch changes. The scale is applied only while ``optimizer.step()`` runs, so schedulers keep
+            their own shape and ``param_group["lr"]`` shows the unscaled value outside the step.
+        base_batch_size: The global batch (in samples) at which the configured learning rate was tuned. By default
+            the effective batch of the first window.
+        lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps instead of
+            jumping (Goyal et al.'s gradual warmup); the first scale warms up from 1.
+        log_metrics: Log the ``accum/...`` metrics (see :mod:`lightning_accum.monitor`) once per optimizer step
+            through every logger, with a dashboard and a summary for TensorBoard, and show the factor and effective
+            batch in the progress bar.
 
     Raises:
         TypeError: If an argument has the wrong type (a non-integer key or factor, a non-dict schedule).
@@ -87,9 +102,19 @@ class AccumulationScheduler(Callback):
         ramp_increment: int | None = None,
         ramp_samples: int | None = None,
         micro_batch_size: int | None = None,
+        lr_scaling: Literal["none", "linear", "sqrt"] = "none",
+        base_batch_size: int | None = None,
+        lr_warmup_steps: int = 0,
+        log_metrics: bool = True,
     ) -> None:
         super().__init__()
         self._unit = check_unit(unit)
+        self._rule = check_rule(lr_scaling)
+        self._base_batch_size = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
+        self._warmup = ScaleWarmup(steps=check_int("lr_warmup_steps", lr_warmup_steps, minimum=0))
+        if not isinstance(log_metrics, bool):
+            raise TypeError(f"`log_metrics` must be a bool, got {log_metrics!r}")
+        self._log_metrics = log_metrics
         if scheduling is not None:
             if target_batch_size is not None:
                 raise ValueError(
@@ -108,8 +133,15 @@ class AccumulationScheduler(Callback):
         )
 
         self._window = Window()
+        self._factor = 1  # the scheduled factor of the window in progress
         self._samples_seen = 0
+        self._micro_steps = 0
+        self._base: float = 1.0  # resolved base batch, in samples (or micro-batches when the size is unknown)
+        self._scaled_steps: list[ScaledStep] = []
+        self._window_loss: torch.Tensor | None = None
+        self._window_started = 0.0
         self._schedule: Schedule | None = None
+        self._resolved_micro_batch_size: int | None = None
         self._samples_per_micro_step = 0
         self._loop: LoopControl | None = None
         self._trainer_accumulate_grad_batches = 1
@@ -182,16 +214,35 @@ class AccumulationScheduler(Callback):
         self._loop.install()
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # every rank must build the same schedule: the micro-batch size of rank 0 decides
-        micro_batch_size = trainer.strategy.broadcast(_infer_micro_batch_size(trainer, self._micro_batch_size), src=0)
-        self._schedule = self._build_schedule(trainer, micro_batch_size)
+        self._resolved_micro_batch_size = trainer.strategy.broadcast(
+            _infer_micro_batch_size(trainer, self._micro_batch_size), src=0
+        )
+        self._schedule = self._build_schedule(trainer, self._resolved_micro_batch_size)
+        self._base = self._resolve_base_batch_size(trainer)
+        self._scaled_steps = [ScaledStep(optimizer, self._current_scale(trainer)) for optimizer in trainer.optimizers]
         if self._schedule.max_factor > 1:
             rank_zero_info(
                 f"AccumulationScheduler: this run takes {self.estimated_stepping_batches(trainer)} optimizer steps;"
                 " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
                 " `lightning_accum.estimated_stepping_batches(trainer)`."
             )
+        if self._log_metrics and trainer.is_global_zero:
+            first_lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+            text = summary_text(
+                self._resolved_micro_batch_size,
+                self._factor_now(trainer),
+                trainer.world_size,
+                first_lr,
+                self._rule,
+                self._base,
+            )
+            for logger in trainer.loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(tensorboard_layout())
+                    logger.experiment.add_text("accum/summary", text, global_step=trainer.global_step)
+            rank_zero_info(f"AccumulationScheduler: {text}")
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -204,10 +255,13 @@ class AccumulationScheduler(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._window.closed:
-            factor = self._factor_now(trainer)
+            self._factor = self._factor_now(trainer)
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
-            self._window.open(int(min(factor, trainer.num_training_batches - batch_idx)))
+            self._window.open(int(min(self._factor, trainer.num_training_batches - batch_idx)))
             trainer.accumulate_grad_batches = self._window.size
+            effective = self._effective_batch_size(self._factor, trainer.world_size)
+            self._warmup.set(lr_scale(self._rule, effective, self._base), step=trainer.global_step)
+            self._window_loss, self._window_started = None, time.perf_counter()
         ends_epoch = batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch
         self._window.take(ends_epoch=ends_epoch)
 
@@ -222,8 +276,18 @@ class AccumulationScheduler(Callback):
                             param.grad.mul_(correction)
 
     @override
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._samples_seen += self._samples_per_micro_step
+        self._micro_steps += 1
+        if not self._log_metrics:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):  # Lightning's loss is already divided by the window's size
+            self._window_loss = loss.detach() if self._window_loss is None else self._window_loss + loss.detach()
+        if self._window.closed:
+            self._log_step(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -236,11 +300,18 @@ class AccumulationScheduler(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"samples_seen": self._samples_seen, "window": self._window.state_dict()}
+        return {
+            "samples_seen": self._samples_seen,
+            "micro_steps": self._micro_steps,
+            "window": self._window.state_dict(),
+            "lr_warmup": self._warmup.state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._samples_seen = int(state_dict.get("samples_seen", 0))
+        self._micro_steps = int(state_dict.get("micro_steps", 0))
+        self._warmup.load_state_dict(state_dict.get("lr_warmup", {}))
         self._window.load_state_dict(state_dict.get("window", {}))
         if not self._window.closed:
             rank_zero_warn(
@@ -263,12 +334,65 @@ class AccumulationScheduler(Callback):
             self._scheduling, self._unit, self._target_batch_size, self._ramp, micro_batch_size, trainer.world_size
         )
 
+    def _effective_batch_size(self, factor: int, world_size: int) -> int:
+        """Samples in a window of ``factor`` micro-batches, or micro-batches when the micro-batch size is unknown."""
+        return (self._resolved_micro_batch_size or 1) * factor * world_size
+
+    def _resolve_base_batch_size(self, trainer: pl.Trainer) -> float:
+        if self._base_batch_size is None:
+            return float(self._effective_batch_size(self._factor_now(trainer), trainer.world_size))
+        if self._resolved_micro_batch_size is None:
+            raise ValueError(
+                f"`base_batch_size={self._base_batch_size}` is in samples, but the micro-batch size could not be read"
+                " from the train dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+            )
+        return float(self._base_batch_size)
+
+    def _current_scale(self, trainer: pl.Trainer) -> Any:
+        return lambda: self._warmup.value(trainer.global_step)
+
+    def _log_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        effective = self._effective_batch_size(self._window.taken, trainer.world_size)
+        pl_module.log_dict(
+            {"factor": float(self._factor), "eff_batch": float(effective)},
+            prog_bar=True,
+            logger=False,
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+        )
+        if not trainer.is_global_zero or not trainer.loggers:
+            return
+        scale = self._warmup.value(trainer.global_step - 1)  # the step just taken
+        lr = trainer.optimizers[0].param_groups[0]["lr"] * scale if trainer.optimizers else None
+        record = StepRecord(
+            factor=self._factor,
+            micro_steps_in_window=self._window.taken,
+            micro_batch_size=self._resolved_micro_batch_size,
+            world_size=trainer.world_size,
+            lr=None if lr is None else float(lr),
+            lr_scale=scale,
+            samples_seen=self._samples_seen,
+            optimizer_steps=trainer.global_step,
+            micro_steps=self._micro_steps,
+            window_loss=None
+            if self._window_loss is None
+            else self._window_loss.item() * self._window.gradient_correction,
+            seconds=time.perf_counter() - self._window_started,
+        )
+        metrics = {**step_metrics(record), **memory_metrics(pl_module.device)}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
     def _factor_now(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"
         position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": self._samples_seen}
         return self._schedule.factor_at(position[self._schedule.unit])
 
     def _release(self, trainer: pl.Trainer) -> None:
+        for scaled in self._scaled_steps:
+            scaled.remove()
+        self._scaled_steps = []
         if self._loop is not None:
             self._loop.remove()
             self._loop = None

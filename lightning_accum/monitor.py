@@ -1,0 +1,152 @@
+"""What is logged once per optimizer step: the metric dict, the memory probe, the TensorBoard layout and summary.
+
+This module owns the names and meaning of every ``accum/...`` key. It builds values from what the callback hands it
+and never reads Trainer state; the callback decides when to log and through which loggers.
+
+| key | meaning |
+| --- | --- |
+| ``accum/factor`` | the scheduled accumulation factor of the window that just stepped |
+| ``accum/effective_batch_size`` | samples in that window: micro-batch x micro-batches taken x world size |
+| ``accum/micro_batch_size`` | samples per micro-batch on one rank |
+| ``accum/world_size`` | number of ranks |
+| ``accum/lr`` | the learning rate the first optimizer's first param group really used (scale included) |
+| ``accum/lr_scale`` | the factor the LR rule applied to the configured learning rate |
+| ``accum/samples_seen`` | samples consumed by all ranks together |
+| ``accum/optimizer_steps`` | optimizer steps taken (``trainer.global_step``) |
+| ``accum/micro_steps`` | micro-batches trained on (one rank) |
+| ``accum/window_loss`` | mean training loss over the window's micro-batches (rank zero's) |
+| ``accum/samples_per_second`` | effective batch / wall time of the window |
+| ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
+| ``accum/memory_reserved_mb`` | CUDA: memory reserved by the caching allocator |
+| ``accum/memory_peak_mb`` | CUDA: the peak allocated since the last optimizer step |
+| ``accum/memory_rss_mb`` | CPU: the process's resident memory |
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from lightning_accum.scaling import lr_scale
+
+_MB = 2**20
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step looked like, as the callback saw it."""
+
+    factor: int
+    micro_steps_in_window: int
+    micro_batch_size: int | None
+    world_size: int
+    lr: float | None
+    lr_scale: float
+    samples_seen: int
+    optimizer_steps: int
+    micro_steps: int
+    window_loss: float | None
+    seconds: float
+
+
+def step_metrics(record: StepRecord) -> dict[str, float]:
+    """The ``accum/...`` metrics of one optimizer step (keys whose value is unknown are left out).
+
+    Example::
+
+        >>> record = StepRecord(8, 8, 4, 2, 1e-3, 0.5, 640, 10, 80, 2.5, 0.5)
+        >>> step_metrics(record)["accum/effective_batch_size"], step_metrics(record)["accum/samples_per_second"]
+        (64.0, 128.0)
+    """
+    metrics = {
+        "accum/factor": float(record.factor),
+        "accum/world_size": float(record.world_size),
+        "accum/lr_scale": record.lr_scale,
+        "accum/optimizer_steps": float(record.optimizer_steps),
+        "accum/micro_steps": float(record.micro_steps),
+    }
+    if record.micro_batch_size is not None:
+        effective = record.micro_batch_size * record.micro_steps_in_window * record.world_size
+        metrics["accum/micro_batch_size"] = float(record.micro_batch_size)
+        metrics["accum/effective_batch_size"] = float(effective)
+        metrics["accum/samples_seen"] = float(record.samples_seen)
+        if record.seconds > 0:
+            metrics["accum/samples_per_second"] = effective / record.seconds
+    if record.lr is not None:
+        metrics["accum/lr"] = record.lr
+    if record.window_loss is not None:
+        metrics["accum/window_loss"] = record.window_loss
+    return metrics
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Memory in MiB: CUDA allocated, reserved and peak since the last call on a CUDA device, else the process RSS."""
+    if device.type == "cuda":
+        metrics = {
+            "accum/memory_allocated_mb": torch.cuda.memory_allocated(device) / _MB,
+            "accum/memory_reserved_mb": torch.cuda.memory_reserved(device) / _MB,
+            "accum/memory_peak_mb": torch.cuda.max_memory_allocated(device) / _MB,
+        }
+        torch.cuda.reset_peak_memory_stats(device)
+        return metrics
+    return {"accum/memory_rss_mb": _resident_bytes() / _MB}
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # not Linux: the peak is the best the standard library offers
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def tensorboard_layout() -> dict[str, dict[str, list]]:
+    """The "Custom Scalars" dashboard: the accumulation state, the learning rate, loss and speed, and memory."""
+    return {
+        "accumulation": {
+            "factor and effective batch": ["Multiline", ["accum/factor", "accum/effective_batch_size"]],
+            "progress": ["Multiline", ["accum/samples_seen", "accum/optimizer_steps", "accum/micro_steps"]],
+        },
+        "learning rate": {
+            "lr as used": ["Multiline", ["accum/lr"]],
+            "lr scale": ["Multiline", ["accum/lr_scale"]],
+        },
+        "loss and speed": {
+            "window loss": ["Multiline", ["accum/window_loss"]],
+            "throughput": ["Multiline", ["accum/samples_per_second"]],
+        },
+        "memory": {
+            "memory (MiB)": ["Multiline", [r"accum/memory_.*"]],
+        },
+    }
+
+
+def summary_text(
+    micro_batch_size: int | None, factor: int, world_size: int, lr: float | None, rule: str, base_batch_size: float
+) -> str:
+    """One line that explains the effective batch and the learning rate at the start of fit.
+
+    Example::
+
+        >>> summary_text(4, 8, 2, 3e-4, "sqrt", 256)
+        'micro 4 x factor 8 x world 2 = 64 samples; lr 0.0003 x sqrt(64/256) = 0.00015'
+    """
+    if micro_batch_size is None:
+        batch = f"factor {factor} x world {world_size} = {factor * world_size} micro-batches"
+        effective: float = factor * world_size
+    else:
+        effective = micro_batch_size * factor * world_size
+        batch = f"micro {micro_batch_size} x factor {factor} x world {world_size} = {effective:g} samples"
+    if lr is None:
+        return batch
+    if rule == "none":
+        return f"{batch}; lr {lr:g} (not scaled)"
+    ratio = f"{effective:g}/{base_batch_size:g}"
+    scaled = lr * lr_scale(rule, effective, base_batch_size)  # type: ignore[arg-type]
+    rule_text = f"({ratio})" if rule == "linear" else f"sqrt({ratio})"
+    return f"{batch}; lr {lr:g} x {rule_text} = {scaled:g}"

@@ -1,0 +1,141 @@
+"""Learning-rate rules for a changing effective batch, and how a scale reaches the optimizer.
+
+This module owns the arithmetic of the scale (none, linear or square root of effective / base batch), its optional
+warmup when it jumps, and applying it to an optimizer *only while it steps*: the scale multiplies each param group's
+``lr`` in a step pre-hook and the scheduler's own value is put back in the post-hook, so an LR scheduler (StepLR,
+warmup then cosine, OneCycleLR) keeps its shape and never sees the scale. Pure: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
+
+LRScaling = Literal["none", "linear", "sqrt"]
+LR_RULES: tuple[str, ...] = get_args(LRScaling)
+
+
+def check_rule(rule: object) -> LRScaling:
+    """Return ``rule`` if it is ``'none'``, ``'linear'`` or ``'sqrt'``.
+
+    Raises:
+        ValueError: Otherwise, naming the allowed values.
+
+    Example::
+
+        >>> check_rule("sqrt")
+        'sqrt'
+    """
+    if rule not in LR_RULES:
+        raise ValueError(f"`lr_scaling` must be one of 'none', 'linear' or 'sqrt', got {rule!r}")
+    return rule  # type: ignore[return-value]
+
+
+def lr_scale(rule: LRScaling, effective_batch_size: float, base_batch_size: float) -> float:
+    """The factor by which the configured learning rate is multiplied at ``effective_batch_size``.
+
+    ``linear``: Goyal et al. 2017 (arXiv:1706.02677), for SGD. ``sqrt``: Krizhevsky 2014 (arXiv:1404.5997) and Malladi
+    et al. 2022 (arXiv:2205.10287), for Adam-type optimizers.
+
+    Example::
+
+        >>> lr_scale("sqrt", 64, 256)
+        0.5
+        >>> lr_scale("linear", 64, 256)
+        0.25
+    """
+    if rule == "none":
+        return 1.0
+    ratio = effective_batch_size / base_batch_size
+    return ratio if rule == "linear" else math.sqrt(ratio)
+
+
+@dataclass
+class ScaleWarmup:
+    """A scale that moves linearly to each new value over ``steps`` optimizer steps (Goyal et al.'s gradual warmup).
+
+    Training starts from a scale of 1 (the configured learning rate). When :meth:`set` gives a new target at step
+    ``t``, the scale at step ``t + i`` is ``start + (target - start) * min(1, i / steps)``, where ``start`` is the scale
+    that was in force at ``t``. With ``steps=0`` the scale jumps.
+
+    Example::
+
+        >>> warmup = ScaleWarmup(steps=4)
+        >>> warmup.set(2.0, step=0)
+        >>> [warmup.value(s) for s in range(6)]
+        [1.0, 1.25, 1.5, 1.75, 2.0, 2.0]
+    """
+
+    steps: int = 0
+    start: float = 1.0
+    target: float = 1.0
+    since: int = 0
+
+    def set(self, target: float, step: int) -> None:
+        """Aim for ``target`` from optimizer step ``step`` on (nothing happens if it is already the target)."""
+        if target != self.target:
+            self.start, self.target, self.since = self.value(step), target, step
+
+    def value(self, step: int) -> float:
+        """The scale at optimizer step ``step``."""
+        if self.steps <= 0 or step >= self.since + self.steps:
+            return self.target
+        return self.start + (self.target - self.start) * (step - self.since) / self.steps
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warmup's position, for checkpoints."""
+        return {"start": self.start, "target": self.target, "since": self.since}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position saved by :meth:`state_dict`; missing keys keep their defaults."""
+        self.start = float(state.get("start", 1.0))
+        self.target = float(state.get("target", 1.0))
+        self.since = int(state.get("since", 0))
+
+
+class ScaledStep:
+    """Multiply every param group's learning rate by ``scale()`` while ``optimizer.step()`` runs, and only then.
+
+    Args:
+        optimizer: The optimizer to scale.
+        scale: Returns the scale for the step about to be taken.
+
+    Example::
+
+        >>> import torch
+        >>> param = torch.nn.Parameter(torch.ones(1)); param.grad = torch.ones(1)
+        >>> optimizer = torch.optim.SGD([param], lr=0.1)
+        >>> scaled = ScaledStep(optimizer, lambda: 2.0)
+        >>> optimizer.step(); round(param.item(), 6), optimizer.param_groups[0]["lr"]
+        (0.8, 0.1)
+        >>> scaled.remove()
+    """
+
+    def __init__(self, optimizer: Optimizer, scale: Any) -> None:
+        self._scale = scale
+        self._unscaled: list[Any] = []
+        self._handles: list[RemovableHandle] = [
+            optimizer.register_step_pre_hook(self._apply),
+            optimizer.register_step_post_hook(self._restore),
+        ]
+
+    def _apply(self, optimizer: Optimizer, *_: Any) -> None:
+        scale = self._scale()
+        self._unscaled = [group["lr"] for group in optimizer.param_groups]
+        if scale != 1.0:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * scale
+
+    def _restore(self, optimizer: Optimizer, *_: Any) -> None:
+        for group, lr in zip(optimizer.param_groups, self._unscaled, strict=True):
+            group["lr"] = lr
+
+    def remove(self) -> None:
+        """Detach from the optimizer."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

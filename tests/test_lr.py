@@ -1,0 +1,126 @@
+"""The optimizer really uses the rule's learning rate at every step, composed with LR schedulers."""
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+
+from lightning_accum import AccumulationScheduler
+from tests.helpers import RegressionModule, loader, make_data, make_net, max_deviation, trainer, weights
+
+
+class LRSpy(Callback):
+    """Records the learning rate each optimizer step really uses (its hook runs after the callback's)."""
+
+    def __init__(self) -> None:
+        self.used: list[float] = []
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.optimizers[0].register_step_pre_hook(
+            lambda optimizer, *_: self.used.append(optimizer.param_groups[0]["lr"])
+        )
+
+
+class ScheduledModule(RegressionModule):
+    def __init__(self, make_scheduler) -> None:
+        super().__init__()
+        self.make_scheduler = make_scheduler
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return [optimizer], [{"scheduler": self.make_scheduler(optimizer), "interval": "step"}]
+
+
+def _scheduler_lrs(make_scheduler, steps: int) -> list[float]:
+    """What the LR scheduler alone gives at each step, from torch on a throwaway optimizer."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    scheduler = make_scheduler(optimizer)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def _reference(x, y, batch_size, windows, lrs) -> list[torch.Tensor]:
+    """Plain PyTorch: one SGD step per window on the mean loss, with the given learning rate for each step."""
+    net = make_net(1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+    step = 0
+    for epoch_windows in windows:
+        start = 0
+        for size in epoch_windows:
+            window, start = batches[start : start + size], start + size
+            optimizer.zero_grad()
+            (sum(nn.functional.mse_loss(net(bx), by) for bx, by in window) / size).backward()
+            optimizer.param_groups[0]["lr"] = lrs[step]
+            optimizer.step()
+            step += 1
+    return [p.detach().clone() for p in net.parameters()]
+
+
+# 10 batches of 4 an epoch; factor 2 until step 3, then 4: windows 2,2,2,4 | 4,4,2; effective 8 then 16 samples
+WINDOWS = [[2, 2, 2, 4], [4, 4, 2]]
+FACTORS = [2, 2, 2, 4, 4, 4, 4]
+
+
+def test_linear_rule_composes_with_step_lr():
+    def step_lr(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+    x, y = make_data(40)
+    spy = LRSpy()
+    callback = AccumulationScheduler({0: 2, 3: 4}, unit="step", lr_scaling="linear", base_batch_size=8)
+    model = ScheduledModule(step_lr)
+    trainer([callback, spy], max_epochs=2).fit(model, loader(x, y, 4))
+    expected = [0.1 * 0.5 ** (step // 2) * (4 * factor / 8) for step, factor in enumerate(FACTORS)]
+    assert spy.used == pytest.approx(expected, rel=1e-12)
+    assert max_deviation(weights(model), _reference(x, y, 4, WINDOWS, expected)) <= 1e-6
+
+
+def test_sqrt_rule_with_scale_warmup_composes_with_warmup_then_cosine():
+    def warmup_cosine(optimizer):
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.2, total_iters=2)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=5)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[2])
+
+    x, y = make_data(40)
+    spy = LRSpy()
+    # base defaults to the first window's effective batch (8); at step 3 the target scale is sqrt(16/8), reached
+    # linearly over 2 steps
+    callback = AccumulationScheduler({0: 2, 3: 4}, unit="step", lr_scaling="sqrt", lr_warmup_steps=2)
+    model = ScheduledModule(warmup_cosine)
+    trainer([callback, spy], max_epochs=2).fit(model, loader(x, y, 4))
+    target = math.sqrt(2)
+    scale = [1, 1, 1, 1, 1 + (target - 1) / 2, target, target]
+    expected = [lr * s for lr, s in zip(_scheduler_lrs(warmup_cosine, 7), scale, strict=True)]
+    assert spy.used == pytest.approx(expected, rel=1e-12)
+    assert max_deviation(weights(model), _reference(x, y, 4, WINDOWS, expected)) <= 1e-6
+
+
+def test_several_param_groups_keep_their_ratio_and_the_scheduler_value_is_untouched():
+    class TwoGroups(RegressionModule):
+        def configure_optimizers(self):
+            first, second = self.net[0], self.net[2]
+            return torch.optim.SGD(
+                [{"params": first.parameters(), "lr": 0.1}, {"params": second.parameters(), "lr": 0.01}]
+            )
+
+    seen = []
+
+    class GroupSpy(Callback):
+        def on_train_start(self, trainer, pl_module):
+            trainer.optimizers[0].register_step_pre_hook(
+                lambda optimizer, *_: seen.append([g["lr"] for g in optimizer.param_groups])
+            )
+
+    x, y = make_data(16)
+    callback = AccumulationScheduler({0: 1, 2: 4}, unit="step", lr_scaling="linear", base_batch_size=4)
+    fit_trainer = trainer([callback, GroupSpy()], max_epochs=1)
+    fit_trainer.fit(TwoGroups(), loader(x, y, 4))
+    assert [lr for group in seen for lr in group] == pytest.approx([0.1, 0.01, 0.1, 0.01, 0.4, 0.04])
+    assert [g["lr"] for g in fit_trainer.optimizers[0].param_groups] == [0.1, 0.01]

@@ -1,0 +1,50 @@
+"""The pure LR rules, the scale warmup, and the step-only application of a scale."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale
+
+
+@pytest.mark.parametrize(
+    ("rule", "effective", "base", "expected"),
+    [("none", 64, 16, 1.0), ("linear", 64, 16, 4.0), ("sqrt", 64, 16, 2.0), ("sqrt", 8, 32, 0.5)],
+)
+def test_lr_rules(rule, effective, base, expected):
+    assert lr_scale(rule, effective, base) == pytest.approx(expected)
+
+
+def test_unknown_rule_names_the_allowed_values():
+    with pytest.raises(ValueError, match=r"`lr_scaling` must be one of 'none', 'linear' or 'sqrt', got 'cubic'"):
+        check_rule("cubic")
+
+
+def test_warmup_moves_from_the_scale_in_force_to_the_new_target():
+    warmup = ScaleWarmup(steps=2)
+    warmup.set(3.0, step=0)
+    assert [warmup.value(s) for s in range(3)] == [1.0, 2.0, 3.0]
+    warmup.set(3.0, step=5)  # same target: nothing restarts
+    assert warmup.value(5) == 3.0
+    warmup.set(1.0, step=10)
+    assert [warmup.value(s) for s in (10, 11, 12)] == [3.0, 2.0, 1.0]
+    restored = ScaleWarmup(steps=2)
+    restored.load_state_dict(warmup.state_dict())
+    assert restored == warmup
+
+
+def test_scaled_step_uses_the_scale_only_inside_step():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([{"params": [param], "lr": 0.1}], lr=0.1)
+    seen = []
+    optimizer.register_step_pre_hook(lambda opt, *_: seen.append(opt.param_groups[0]["lr"]))
+    scaled = ScaledStep(optimizer, lambda: math.sqrt(4.0))
+    param.grad = torch.ones(2)
+    optimizer.step()
+    assert optimizer.param_groups[0]["lr"] == 0.1  # what a scheduler reads and writes
+    assert param.detach().tolist() == pytest.approx([-0.2, -0.2])
+    scaled.remove()
+    optimizer.step()
+    assert param.detach().tolist() == pytest.approx([-0.3, -0.3])
+    assert seen == [0.1, 0.1]  # hooks registered before ours see the scheduler's value
