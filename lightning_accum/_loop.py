@@ -55,8 +55,11 @@ class LoopControl:
         optimization: Any = owners["automatic_optimization"]
         lightning_zero_grad_fn = optimization._make_zero_grad_fn
 
+        progress: Any = epoch_loop.batch_progress.current
+
         def should_accumulate() -> bool:
-            return not self._ends_window()
+            # a batch that never started (on_train_batch_start returned -1) must not step the LR schedulers
+            return progress.started < progress.ready or not self._ends_window()
 
         def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
             if not self._starts_window():

@@ -209,6 +209,10 @@ class AccumulationScheduler(Callback):
         if stage != "fit":
             return
         _check_trainer(trainer, pl_module, self)
+        if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
+            self._samples_seen = self._micro_steps = 0
+            self._window = Window()
+            self._warmup = ScaleWarmup(steps=self._warmup.steps)
         self._trainer_accumulate_grad_batches = trainer.accumulate_grad_batches
         self._loop = LoopControl(trainer, lambda: self._window.is_first, lambda: self._window.closed)
         self._loop.install()
@@ -251,9 +255,9 @@ class AccumulationScheduler(Callback):
             self._window.discard()
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         if self._window.closed:
             self._factor = self._factor_now(trainer)
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)

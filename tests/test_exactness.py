@@ -127,3 +127,29 @@ def test_step_interval_lr_schedulers_step_once_per_window():
     fit_trainer = trainer([AccumulationScheduler({0: 2, 3: 4}, unit="step")], max_epochs=1)
     fit_trainer.fit(model, loader(x, y, 4))
     assert fit_trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+
+
+def test_training_step_with_dataloader_iter_is_exact():
+    class IterModule(RegressionModule):
+        def training_step(self, dataloader_iter):
+            x, y = next(dataloader_iter)[0]
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+    x, y = make_data(40)
+    model = IterModule()
+    fit_trainer = trainer([AccumulationScheduler({0: 3})], max_epochs=2)
+    fit_trainer.fit(model, loader(x, y, 4))
+    assert fit_trainer.global_step == 8
+    assert max_deviation(weights(model), reference_weights(x, y, 4, [[3, 3, 3, 1]] * 2)) <= TOLERANCE
+
+
+def test_reusing_the_callback_in_a_new_trainer_starts_the_schedule_afresh():
+    x, y = make_data(40)
+    callback = AccumulationScheduler({0: 1, 20: 3}, unit="sample")  # 4 samples a micro-step: 1,1,1,1,1,3,2
+    for _ in range(2):
+        model = RegressionModule()
+        fit_trainer = trainer([callback], max_epochs=1)
+        fit_trainer.fit(model, loader(x, y, 4))
+        assert fit_trainer.global_step == 7
+        assert callback.samples_seen == 40
+        assert max_deviation(weights(model), reference_weights(x, y, 4, [[1, 1, 1, 1, 1, 3, 2]])) <= TOLERANCE

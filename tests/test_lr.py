@@ -124,3 +124,16 @@ def test_several_param_groups_keep_their_ratio_and_the_scheduler_value_is_untouc
     fit_trainer.fit(TwoGroups(), loader(x, y, 4))
     assert [lr for group in seen for lr in group] == pytest.approx([0.1, 0.01, 0.1, 0.01, 0.4, 0.04])
     assert [g["lr"] for g in fit_trainer.optimizers[0].param_groups] == [0.1, 0.01]
+
+
+def test_a_batch_skipped_with_minus_one_does_not_step_the_lr_scheduler():
+    class SkipsRest(ScheduledModule):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if batch_idx == 5 else None
+
+    x, y = make_data(40)
+    model = SkipsRest(lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5))
+    fit_trainer = trainer([AccumulationScheduler({0: 3})], max_epochs=1)
+    fit_trainer.fit(model, loader(x, y, 4))  # windows 0-2 step; 3-4 never finish: batch 5 skips the rest
+    assert fit_trainer.global_step == 1
+    assert fit_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 1
