@@ -1,0 +1,175 @@
+"""The examples as a user runs them: the LightningCLI configs (parsed, run, round-tripped) and the experiment."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_accum import AccumulationScheduler
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CONFIGS = sorted((EXAMPLES / "configs").glob("*.yaml"))
+# a model and corpus small enough for a test; everything else comes from the config
+SMALL = [
+    "--model.width=16",
+    "--model.layers=1",
+    "--data.context=16",
+    "--data.corpus_bytes=60000",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.limit_val_batches=1",
+]
+
+
+@pytest.fixture(scope="module")
+def train_lm():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import train_lm
+
+        yield train_lm
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def _scalars(log_dir, tag):
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return [event.value for event in events.Scalars(tag)]
+
+
+def _callback(cli) -> AccumulationScheduler:
+    (callback,) = [c for c in cli.trainer.callbacks if isinstance(c, AccumulationScheduler)]
+    return callback
+
+
+def _init_args(config: dict) -> dict:
+    (entry,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("AccumulationScheduler")]
+    args = dict(entry["init_args"])
+    if args.get("scheduling"):
+        args["scheduling"] = {int(key): value for key, value in args["scheduling"].items()}  # YAML may quote keys
+    return args
+
+
+def test_every_example_config_sets_the_callback_by_class_path():
+    assert {path.name for path in CONFIGS} >= {"lm_ramp.yaml", "lm_step_schedule.yaml"}
+    for path in CONFIGS:
+        assert _init_args(yaml.safe_load(path.read_text())), path
+
+
+def test_the_ramp_config_trains_with_the_ramp_and_sqrt_scaling(train_lm, tmp_path):
+    args = ["fit", f"--config={CONFIGS[0].parent / 'lm_ramp.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
+    cli = train_lm.main([*args, *SMALL, "--trainer.max_steps=3", "--trainer.val_check_interval=4"])
+    callback = _callback(cli)
+    assert cli.trainer.global_step == 3
+    assert callback.factor == 2  # the ramp starts at 16 samples = micro-batch 8 x 2
+    assert callback.samples_seen == 3 * 16
+    assert callback._rule == "sqrt"
+    assert callback._base == 16.0
+    log_dir = Path(cli.trainer.logger.log_dir)
+    assert (log_dir / "config.yaml").exists()  # LightningCLI saved the resolved config beside the events
+    assert _scalars(log_dir, "accum/factor") == [2.0, 2.0, 2.0]
+    assert _scalars(log_dir, "accum/effective_batch_size") == [16.0, 16.0, 16.0]
+
+
+def test_the_step_schedule_config_changes_the_factor_at_step_50(train_lm, tmp_path):
+    args = ["fit", f"--config={CONFIGS[0].parent / 'lm_step_schedule.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
+    cli = train_lm.main([*args, *SMALL, "--trainer.max_steps=53", "--trainer.log_every_n_steps=1"])
+    callback = _callback(cli)
+    assert cli.trainer.global_step == 53
+    assert callback.factor == 4
+    assert callback._scheduling == {0: 1, 50: 4, 120: 8}
+    factors = _scalars(Path(cli.trainer.logger.log_dir), "accum/factor")
+    assert factors == [1.0] * 50 + [4.0] * 3
+    scales = _scalars(Path(cli.trainer.logger.log_dir), "accum/lr_scale")
+    assert scales[49] == pytest.approx(1.0)
+    # linear rule, warming up from 1 towards 4 over 20 steps from step 50
+    assert scales[50] == pytest.approx(1.0)
+    assert scales[51] == pytest.approx(1 + 3 / 20)
+    assert scales[52] == pytest.approx(1 + 2 * 3 / 20)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)
+def test_print_config_round_trips(train_lm, config, tmp_path, capsys):
+    def printed(path):
+        with pytest.raises(SystemExit) as exit_info:
+            train_lm.main(["fit", f"--config={path}", "--print_config"])
+        assert exit_info.value.code in (None, 0)
+        return capsys.readouterr().out
+
+    first = printed(config)
+    (tmp_path / "printed.yaml").write_text(first)
+    assert printed(tmp_path / "printed.yaml") == first
+    original, resolved = yaml.safe_load(config.read_text()), yaml.safe_load(first)
+    assert _init_args(original).items() <= _init_args(resolved).items()
+    for section in ("model", "data"):
+        assert original[section].items() <= resolved[section].items()
+
+
+def test_a_bad_value_in_yaml_names_the_argument(train_lm, tmp_path, capsys):
+    config = yaml.safe_load((EXAMPLES / "configs" / "lm_step_schedule.yaml").read_text())
+    config["trainer"]["callbacks"][0]["init_args"]["unit"] = "epochs"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(SystemExit):
+        train_lm.main(["fit", f"--config={tmp_path / 'bad.yaml'}"])
+    error = capsys.readouterr().err
+    assert "unit" in error
+    assert "epochs" in error
+
+    config["trainer"]["callbacks"][0]["init_args"].update(unit="step", scheduling={0: 1, 50: 0})
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(ValueError, match=r"factor.*0"):
+        train_lm.main(["fit", f"--config={tmp_path / 'bad.yaml'}"])
+
+
+def test_the_readme_command_runs_the_main_example_from_the_command_line(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"\.venv/bin/python (examples/train_lm\.py fit --config (\S+))", readme)
+    assert command, "README's first command runs examples/train_lm.py with a config"
+    script_args = command.group(1).split()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / script_args[0]), *script_args[1:3], str(ROOT / command.group(2)), *SMALL]
+        + ["--trainer.max_steps=2", "--trainer.val_check_interval=4"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (version,) = (tmp_path / "lightning_logs").iterdir()  # ./lightning_logs, where the README says
+    assert list(version.glob("events.out.tfevents.*"))
+    assert "micro 8 x factor 2 x world 1 = 16 samples" in done.stderr + done.stdout
+
+
+def test_the_accumulation_experiment_writes_its_table_plot_and_numbers(tmp_path):
+    out = tmp_path / "experiment"
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "accumulation_experiment.py"), "--factors", "1", "2", "--samples", "64"]
+        + ["--micro_batch_size", "4", "--context", "16", "--width", "16", "--layers", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["factor"], r["accumulate"]) for r in results] == [(1, True), (2, True), (2, False)]
+    assert [r["optimizer_steps"] for r in results] == [16, 8, 8]
+    accumulated, big = results[1], results[2]
+    # the same optimizer steps on the same samples: the same model, up to float summation order
+    assert accumulated["final_val_loss"] == pytest.approx(big["final_val_loss"], abs=1e-5)
+    assert all(r["peak_memory_mib"] >= 0 and r["seconds"] > 0 and r["curve"] for r in results)
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 2 + len(results)  # header, rule and one row per run
+    assert "one batch of 8" in table
+    assert "4 x 2 accumulated" in table
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
