@@ -2,5 +2,22 @@
 
 from lightning_accum.__about__ import __version__
 from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches
+from lightning_accum.manual import ManualAccumulation, MicroStep
+from lightning_accum.strategies import (
+    AccumulationStrategyMixin,
+    DDPAccumulationStrategy,
+    FSDPAccumulationStrategy,
+    ModelParallelAccumulationStrategy,
+)
 
-__all__ = ["AccumulationScheduler", "__version__", "estimated_stepping_batches"]
+__all__ = [
+    "AccumulationScheduler",
+    "AccumulationStrategyMixin",
+    "DDPAccumulationStrategy",
+    "FSDPAccumulationStrategy",
+    "ManualAccumulation",
+    "MicroStep",
+    "ModelParallelAccumulationStrategy",
+    "__version__",
+    "estimated_stepping_batches",
+]

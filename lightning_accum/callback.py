@@ -14,6 +14,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -29,6 +30,7 @@ from lightning_accum.schedule import (
     check_unit,
     count_optimizer_steps,
 )
+from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.window import Window
 
 
@@ -216,6 +218,14 @@ class AccumulationScheduler(Callback):
         self._trainer_accumulate_grad_batches = trainer.accumulate_grad_batches
         self._loop = LoopControl(trainer, lambda: self._window.is_first, lambda: self._window.closed)
         self._loop.install()
+        strategy = trainer.strategy
+        if isinstance(strategy, AccumulationStrategyMixin):
+            strategy.connect_window(lambda: self._window.closed)
+        elif isinstance(strategy, ModelParallelStrategy):
+            rank_zero_warn(
+                "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
+                " use lightning_accum.ModelParallelAccumulationStrategy to reduce once per optimizer step"
+            )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -397,6 +407,8 @@ class AccumulationScheduler(Callback):
         for scaled in self._scaled_steps:
             scaled.remove()
         self._scaled_steps = []
+        if isinstance(trainer.strategy, AccumulationStrategyMixin):
+            trainer.strategy.connect_window(None)
         if self._loop is not None:
             self._loop.remove()
             self._loop = None

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_accum import AccumulationScheduler
+from lightning_accum import AccumulationScheduler, DDPAccumulationStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -60,7 +60,7 @@ def _init_args(config: dict) -> dict:
 
 
 def test_every_example_config_sets_the_callback_by_class_path():
-    assert {path.name for path in CONFIGS} >= {"lm_ramp.yaml", "lm_step_schedule.yaml"}
+    assert {path.name for path in CONFIGS} >= {"lm_ramp.yaml", "lm_step_schedule.yaml", "lm_ddp.yaml"}
     for path in CONFIGS:
         assert _init_args(yaml.safe_load(path.read_text())), path
 
@@ -114,6 +114,46 @@ def test_print_config_round_trips(train_lm, config, tmp_path, capsys):
         assert original[section].items() <= resolved[section].items()
 
 
+def test_the_ddp_config_builds_the_accumulation_strategy_with_its_parent_arguments(train_lm, tmp_path):
+    config = yaml.safe_load((EXAMPLES / "configs" / "lm_ddp.yaml").read_text())
+    strategy = train_lm.main(["--config", str(EXAMPLES / "configs" / "lm_ddp.yaml")], run=False).trainer.strategy
+    assert isinstance(strategy, DDPAccumulationStrategy)
+    assert strategy.gradient_sync == "last"
+    assert strategy._ddp_kwargs["find_unused_parameters"] is False
+    # the parser resolves DDPStrategy's **kwargs through the mixin exactly as for Lightning's own DDPStrategy
+    config["trainer"]["strategy"] = {
+        "class_path": "lightning.pytorch.strategies.DDPStrategy",
+        "init_args": {"find_unused_parameters": False},
+    }
+    (tmp_path / "stock.yaml").write_text(yaml.safe_dump(config))
+    stock = train_lm.main(["--config", str(tmp_path / "stock.yaml")], run=False).trainer.strategy
+    assert strategy._ddp_kwargs == stock._ddp_kwargs
+
+
+def _train_lm(config: Path, *overrides: str, cwd: Path) -> str:
+    """Run examples/train_lm.py as a user would, from ``cwd``; return everything it printed."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_lm.py"), "fit", f"--config={config}", *SMALL, *overrides],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def test_the_ddp_config_trains_on_two_processes(tmp_path):
+    printed = _train_lm(
+        EXAMPLES / "configs" / "lm_ddp.yaml",
+        *["--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.logger=false"],
+        "--trainer.enable_checkpointing=false",
+        cwd=tmp_path,
+    )
+    assert "micro 8 x factor 4 x world 2 = 64 samples" in printed
+
+
 def test_a_bad_value_in_yaml_names_the_argument(train_lm, tmp_path, capsys):
     config = yaml.safe_load((EXAMPLES / "configs" / "lm_step_schedule.yaml").read_text())
     config["trainer"]["callbacks"][0]["init_args"]["unit"] = "epochs"
@@ -134,20 +174,12 @@ def test_the_readme_command_runs_the_main_example_from_the_command_line(tmp_path
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"\.venv/bin/python (examples/train_lm\.py fit --config (\S+))", readme)
     assert command, "README's first command runs examples/train_lm.py with a config"
-    script_args = command.group(1).split()
-    done = subprocess.run(
-        [sys.executable, str(ROOT / script_args[0]), *script_args[1:3], str(ROOT / command.group(2)), *SMALL]
-        + ["--trainer.max_steps=2", "--trainer.val_check_interval=4"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+    printed = _train_lm(
+        ROOT / command.group(2), "--trainer.max_steps=2", "--trainer.val_check_interval=4", cwd=tmp_path
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     (version,) = (tmp_path / "lightning_logs").iterdir()  # ./lightning_logs, where the README says
     assert list(version.glob("events.out.tfevents.*"))
-    assert "micro 8 x factor 2 x world 1 = 16 samples" in done.stderr + done.stdout
+    assert "micro 8 x factor 2 x world 1 = 16 samples" in printed
 
 
 def test_the_accumulation_experiment_writes_its_table_plot_and_numbers(tmp_path):

@@ -1,0 +1,136 @@
+"""ManualAccumulation: exact, communication-cheap accumulation for ``training_step`` under manual optimization.
+
+With ``automatic_optimization = False`` Lightning leaves accumulation to the user, and its only help,
+``optimizer.toggle_model(sync_grad=False)``, does nothing for FSDP2. This helper gives such a ``training_step`` what
+:class:`~lightning_accum.AccumulationScheduler` gives automatic optimization: the window boundaries (a schedule by
+epoch or optimizer step; the last window of an epoch holds what is left), the divisor for each loss, and gradient
+communication skipped on the window's non-final micro-steps through the strategy's ``block_backward_sync()``
+(an :class:`~lightning_accum.AccumulationStrategyMixin` strategy handles DDP, FSDP1 and FSDP2 with its
+``gradient_sync`` policy; stock Lightning strategies handle DDP and FSDP1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_accum.schedule import Schedule, check_int
+from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+from lightning_accum.window import Window
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """Where the micro-batch in progress sits in its window.
+
+    Attributes:
+        size: Micro-batches in the window: divide each loss by it (or call :meth:`scale`).
+        index: The micro-batch's position in the window, from 0.
+    """
+
+    size: int
+    index: int
+
+    @property
+    def should_step(self) -> bool:
+        """Whether this micro-batch ends the window: call ``optimizer.step()`` and ``zero_grad()`` after it."""
+        return self.index == self.size - 1
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss / size``: the micro-batch's share of the window's mean loss."""
+        return loss / self.size
+
+
+class ManualAccumulation:
+    """Window boundaries, loss divisor and sync skipping for manual optimization.
+
+    Args:
+        scheduling: A constant factor, or ``{position: factor}`` (positions before the first key use factor 1).
+        unit: What the keys count: ``"step"`` (optimizer steps, ``trainer.global_step``) or ``"epoch"``.
+
+    Raises:
+        TypeError: If a factor or key is not an integer.
+        ValueError: If a factor is below 1, a key is negative, or ``unit`` is unknown.
+
+    Example::
+
+        class Model(LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.automatic_optimization = False
+                self.accumulation = ManualAccumulation(scheduling={0: 2, 1000: 8}, unit="step")
+
+            def training_step(self, batch, batch_idx):
+                optimizer = self.optimizers()
+                with self.accumulation.micro_step(self) as micro:
+                    self.manual_backward(micro.scale(self.loss(batch)))
+                if micro.should_step:
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """
+
+    def __init__(self, scheduling: int | dict[int, int] = 1, unit: Literal["step", "epoch"] = "step") -> None:
+        if unit not in ("step", "epoch"):
+            raise ValueError(f"ManualAccumulation `unit` must be 'step' or 'epoch', got {unit!r}")
+        if isinstance(scheduling, dict):
+            self._schedule = Schedule.from_mapping(scheduling, unit)
+        else:
+            self._schedule = Schedule.constant(check_int("scheduling", scheduling, minimum=1))
+        self._unit = unit
+        self._window = Window()
+        self._warned = False
+
+    @property
+    def factor(self) -> int:
+        """The size of the window in progress."""
+        return self._window.size
+
+    @contextmanager
+    def micro_step(self, module: pl.LightningModule) -> Iterator[MicroStep]:
+        """Place the current micro-batch in its window; wrap its forward and ``manual_backward``.
+
+        On a non-final micro-step the strategy's gradient communication is skipped for the duration of the block.
+        When an epoch of unknown length ends a window early, the accumulated gradients are rescaled on leaving the
+        block, so the step is still on the mean over the micro-batches taken.
+
+        Args:
+            module: The LightningModule whose ``training_step`` this is (``self``).
+
+        Yields:
+            The micro-step's place in its window.
+        """
+        trainer = module.trainer
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        if self._window.closed:
+            position = trainer.current_epoch if self._unit == "epoch" else trainer.global_step
+            self._window.open(int(min(self._schedule.factor_at(position), trainer.num_training_batches - batch_idx)))
+        self._window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
+        window = self._window
+        micro = MicroStep(size=window.size, index=window.size - 1 if window.closed else window.taken - 1)
+        strategy = trainer.strategy
+        self._warn_if_uncontrolled(strategy)
+        skip = not micro.should_step and isinstance(strategy, ParallelStrategy)
+        with strategy.block_backward_sync() if skip else nullcontext():  # type: ignore[attr-defined]
+            yield micro
+        if window.closed and window.gradient_correction != 1.0:
+            with torch.no_grad():
+                for param in module.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(window.gradient_correction)
+
+    def _warn_if_uncontrolled(self, strategy: object) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, AccumulationStrategyMixin):
+            rank_zero_warn(
+                "ManualAccumulation: ModelParallelStrategy does not skip FSDP2's reduce-scatter on non-final"
+                " micro-steps; use lightning_accum.ModelParallelAccumulationStrategy to reduce once per window"
+            )

@@ -1,0 +1,167 @@
+"""AccumulationStrategyMixin: one gradient reduction per optimizer step, whatever the data-parallel backend.
+
+Lightning's automatic optimization wraps every non-final micro-step of a window in the strategy's public
+``block_backward_sync()``; stock Lightning only acts there on modules that have ``no_sync`` (DDP, FSDP1), so FSDP2
+modules (``ModelParallelStrategy``) reduce-scatter on every micro-step. The mixin overrides that one context manager
+to skip or defer communication for DDP, FSDP1 and FSDP2 alike (see :mod:`lightning_accum.sync`), with a policy the
+user chooses, and checks that no optimizer step ever runs on gradients whose reduction was skipped.
+
+The strategy decides nothing about boundaries: Lightning asks ``_should_accumulate``, which the
+:class:`~lightning_accum.AccumulationScheduler` routes to its window (or, without the callback, Lightning's own
+``trainer.accumulate_grad_batches`` arithmetic). When the callback is attached it hands the window to the strategy so
+that a disagreement raises instead of silently training on unreduced gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_accum.sync import GradientSync, can_control, check_gradient_sync, skip_gradient_sync
+
+
+class AccumulationStrategyMixin:
+    r"""Skip gradient communication on the non-final micro-steps of each accumulation window.
+
+    Mix it in *before* a Lightning data-parallel strategy; every argument of that strategy passes through, and the
+    mixin adds ``gradient_sync``. Ready-made: :class:`DDPAccumulationStrategy`, :class:`FSDPAccumulationStrategy`,
+    :class:`ModelParallelAccumulationStrategy`.
+
+    What happens on a non-final micro-step:
+
+    ========================  =======================================================  ============================
+    backend                   ``gradient_sync="last"`` (default)                        ``gradient_sync="every"``
+    ========================  =======================================================  ============================
+    DDP                       ``no_sync()``: no all-reduce                             all-reduce every micro-step
+    FSDP1                     ``no_sync()``: no reduce-scatter; unsharded gradients    reduce-scatter every step;
+                              kept on every rank until the window's end                sharded gradients
+    FSDP2 (``fully_shard``)   ``set_requires_gradient_sync(False)``; unsharded         reduce-scatter every step;
+                              gradients kept until the window's end                    HSDP's all-reduce deferred
+    ========================  =======================================================  ============================
+
+    Args:
+        \*args: Passed to the strategy the mixin is combined with.
+        gradient_sync: ``"last"``: one gradient reduction per optimizer step (least communication; under FSDP each
+            rank holds the unsharded gradients of the model between micro-steps). ``"every"``: reduce-scatter on
+            every micro-step so each rank holds only its gradient shard (least memory; one reduction per
+            micro-step). See ``docs/strategies.md`` for the memory arithmetic.
+        \*\*kwargs: Passed to the strategy the mixin is combined with.
+
+    Raises:
+        TypeError: If the mixin is combined with a strategy that is not a Lightning ``ParallelStrategy``.
+        ValueError: If ``gradient_sync`` is unknown, or the strategy accumulates gradients by itself (DeepSpeed).
+
+    Example::
+
+        from lightning.pytorch.strategies import DDPStrategy
+        from lightning_accum import AccumulationScheduler, AccumulationStrategyMixin
+
+        class MyDDP(AccumulationStrategyMixin, DDPStrategy):
+            pass
+
+        trainer = Trainer(
+            devices=4,
+            strategy=MyDDP(gradient_sync="last", find_unused_parameters=True),
+            callbacks=[AccumulationScheduler(target_batch_size=512)],
+        )
+    """
+
+    _gradient_sync: GradientSync
+    _sync_blocked: bool  # inside block_backward_sync
+    _reduction_skipped: bool  # the latest backward ran with its gradient reduction skipped
+    _window_ends: Callable[[], bool] | None
+
+    def __init__(self, *args: Any, gradient_sync: GradientSync = "last", **kwargs: Any) -> None:
+        self._gradient_sync = check_gradient_sync(gradient_sync)
+        self._sync_blocked = False
+        self._reduction_skipped = False
+        self._window_ends = None
+        super().__init__(*args, **kwargs)
+        if not isinstance(self, ParallelStrategy):
+            raise TypeError(
+                f"AccumulationStrategyMixin controls data-parallel gradient communication, so it must be combined with"
+                f" a Lightning ParallelStrategy (DDPStrategy, FSDPStrategy, ModelParallelStrategy, ...);"
+                f" {type(self).__name__} is not one"
+            )
+        if self.handles_gradient_accumulation:
+            raise ValueError(
+                f"{type(self).__name__} accumulates gradients by itself (as DeepSpeed does), so"
+                " AccumulationStrategyMixin cannot control its gradient communication: use the strategy's own"
+                " accumulation setting instead"
+            )
+
+    @property
+    def gradient_sync(self) -> GradientSync:
+        """The policy for non-final micro-steps: ``"last"`` or ``"every"``."""
+        return self._gradient_sync
+
+    def connect_window(self, ends_window: Callable[[], bool] | None) -> None:
+        """Let the accumulation callback hand over its window ("does the micro-step in progress end it?").
+
+        With a window connected, a skipped sync on a micro-step that ends the window raises. ``None`` disconnects.
+        """
+        self._window_ends = ends_window
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip (``"last"``) or defer (``"every"``) gradient communication for one non-final micro-step.
+
+        Raises:
+            RuntimeError: If the connected accumulation window says this micro-step ends the window: its gradients
+                must be reduced before the optimizer steps.
+        """
+        if self._window_ends is not None and self._window_ends():
+            raise RuntimeError(
+                "Gradient sync was about to be skipped on the micro-step that ends the AccumulationScheduler's window:"
+                " something other than the AccumulationScheduler decides Lightning's accumulation boundaries"
+                " (another accumulation callback or loop patch?)"
+            )
+        strategy: Any = self
+        with skip_gradient_sync(strategy.model, self._gradient_sync):
+            self._sync_blocked = True
+            try:
+                yield
+            finally:
+                self._sync_blocked = False
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Set up the parent strategy, then warn if there is no gradient communication to control."""
+        super().setup(trainer)  # type: ignore[misc]
+        strategy: Any = self
+        if trainer.world_size > 1 and not can_control(strategy.model):
+            rank_zero_warn(
+                f"{type(self).__name__}: the model is neither wrapped in DDP/FSDP nor has `fully_shard` applied"
+                " (in `configure_model`), so there is no gradient communication to control"
+            )
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Remember whether this backward's gradient reduction was skipped."""
+        super().post_backward(closure_loss)  # type: ignore[misc]
+        strategy: Any = self
+        self._reduction_skipped = self._sync_blocked and self._gradient_sync == "last" and can_control(strategy.model)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Step, after checking that the gradients were reduced (the closure runs the window's last backward).
+
+        Raises:
+            RuntimeError: If the latest backward skipped its gradient reduction.
+        """
+
+        def checked_closure() -> Any:
+            result = closure()
+            if self._reduction_skipped:
+                raise RuntimeError(
+                    "The optimizer is about to step on gradients whose reduction across ranks was skipped: the last"
+                    " backward ran inside `block_backward_sync()`. In manual optimization, run the window's last"
+                    " micro-step outside it (see lightning_accum.ManualAccumulation)"
+                )
+            return result
+
+        return super().optimizer_step(optimizer, checked_closure, model, **kwargs)  # type: ignore[misc]

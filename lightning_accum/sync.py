@@ -1,0 +1,109 @@
+"""Skip or defer gradient communication on the non-final micro-steps of a window, for DDP, FSDP1 and FSDP2.
+
+Pure torch (no Lightning import): :func:`skip_gradient_sync` is a context manager around one micro-step's forward
+and backward. Under the ``"last"`` policy gradients are reduced once per optimizer step:
+
+- DDP and FSDP1 (``FullyShardedDataParallel``): the module's own ``no_sync()``. FSDP1 then keeps *unsharded*
+  gradients on every rank until the window's last backward.
+- FSDP2 (``fully_shard``): ``set_requires_gradient_sync(False)`` on every FSDP module, restored in ``finally``
+  together with ``set_is_last_backward(True)``, so the window's last backward reduces and finalizes. Each rank
+  accumulates the unsharded gradients of the sharded units in between. ``set_is_last_backward(False)`` is *not* set
+  on the non-final micro-steps: in torch 2.13 it leaves FSDP2's backward-prefetch order uncleared and costs one
+  mistargeted all-gather per window (measured: 70 all-gathers instead of 64 for 16 micro-steps of a 2-unit model),
+  and with no reduction pending it has nothing to save.
+
+Under the ``"every"`` policy the reduce-scatter runs on every micro-step, so each rank keeps only its shard of the
+gradients (sharded memory, one reduction per micro-step). On an HSDP mesh (``fully_shard`` on a 2-D mesh) the
+all-reduce across replicas is still deferred to the window's last micro-step with ``set_requires_all_reduce``.
+DDP has no sharded gradients, so ``"every"`` only adds all-reduces there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal, cast
+
+from torch import nn
+
+GradientSync = Literal["last", "every"]
+GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every")
+
+
+def check_gradient_sync(value: object) -> GradientSync:
+    """Return ``value`` if it is a known gradient-sync policy.
+
+    Raises:
+        ValueError: If ``value`` is not ``"last"`` or ``"every"``.
+
+    Example::
+
+        >>> check_gradient_sync("last")
+        'last'
+    """
+    if value not in GRADIENT_SYNCS:
+        raise ValueError(f"`gradient_sync` must be one of {list(GRADIENT_SYNCS)}, got {value!r}")
+    return cast(GradientSync, value)
+
+
+def fsdp2_modules(module: nn.Module | None) -> list[nn.Module]:
+    """The modules under ``module`` (itself included) that ``fully_shard`` was applied to."""
+    if module is None:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+
+
+def has_no_sync(module: nn.Module | None) -> bool:
+    """Whether ``module`` is a DDP or FSDP1 wrapper, whose ``no_sync()`` skips the gradient reduction."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(module, (DistributedDataParallel, FullyShardedDataParallel))
+
+
+def can_control(module: nn.Module | None) -> bool:
+    """Whether :func:`skip_gradient_sync` knows how to control ``module``'s gradient communication."""
+    return has_no_sync(module) or bool(fsdp2_modules(module))
+
+
+@contextmanager
+def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") -> Iterator[None]:
+    """Run a non-final micro-step of a window with gradient communication skipped (``"last"``) or only deferred.
+
+    Args:
+        module: The wrapped model: a ``DistributedDataParallel``, a ``FullyShardedDataParallel``, or a module with
+            ``fully_shard`` applied to it or to its submodules. Anything else (one process, no data parallelism)
+            runs unchanged.
+        policy: ``"last"``: no gradient communication until the window's last micro-step. ``"every"``: reduce (and
+            reduce-scatter) on every micro-step, deferring only HSDP's all-reduce across replicas.
+
+    Example::
+
+        for i, batch in enumerate(window):
+            last = i == len(window) - 1
+            with contextlib.nullcontext() if last else skip_gradient_sync(model, "last"):
+                (loss_fn(model(batch)) / len(window)).backward()
+        optimizer.step()
+    """
+    check_gradient_sync(policy)
+    fsdp2 = fsdp2_modules(module)
+    if fsdp2:
+        try:
+            for sub in fsdp2:
+                if policy == "last":
+                    sub.set_requires_gradient_sync(False, recurse=False)  # type: ignore[operator]
+                else:
+                    sub.set_requires_all_reduce(False, recurse=False)  # type: ignore[operator]
+            yield
+        finally:
+            for sub in fsdp2:
+                sub.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+                sub.set_is_last_backward(True)  # type: ignore[operator]
+        return
+    if policy == "last" and module is not None and has_no_sync(module):
+        with module.no_sync():  # type: ignore[operator]
+            yield
+        return
+    yield

@@ -1,0 +1,202 @@
+"""Train the tiny regression model on 2 CPU processes (gloo), as a user would, and record what happened.
+
+    python tests/scripts/two_ranks.py ddp OUT_DIR
+    python tests/scripts/two_ranks.py fsdp2 OUT_DIR
+    python tests/scripts/two_ranks.py fsdp1 OUT_DIR      # needs 2 CUDA devices (Lightning's FSDPStrategy)
+
+Lightning launches the second process itself (devices=2). One launch runs several configurations one after another,
+each with a fresh Trainer and model: stock Lightning, the accumulation strategy with gradient_sync "last" and
+"every", a factor schedule, and manual optimization with ManualAccumulation. For each, every rank writes
+``OUT_DIR/<name>.rank<r>.json``: the gradient collectives it issued (DDP: calls of a counting comm hook, with the
+bucket index; FSDP2: ``c10d::_reduce_scatter_base_`` events of torch.profiler), the optimizer steps, the micro-steps,
+and (rank 0) the final full weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import (
+    AccumulationScheduler,
+    DDPAccumulationStrategy,
+    FSDPAccumulationStrategy,
+    ManualAccumulation,
+    ModelParallelAccumulationStrategy,
+)
+
+NUM_SAMPLES, MICRO_BATCH, LR = 64, 4, 0.1  # 2 ranks x 4 = 8 samples per micro-step, 8 micro-steps per epoch
+ALLREDUCE_BUCKETS: list[int] = []
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(NUM_SAMPLES, 5, generator=generator)
+    y = x @ torch.randn(5, 1, generator=generator) + 0.3 * torch.randn(NUM_SAMPLES, 1, generator=generator)
+    return x, y
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, shard: bool, manual: ManualAccumulation | None = None) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.shard = shard
+        self.manual = manual
+        self.automatic_optimization = manual is None
+
+    def configure_model(self) -> None:
+        if self.shard:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net[0], mesh=mesh)
+            fully_shard(self.net[2], mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        if self.manual is None:
+            return self.loss(batch)
+        optimizer = self.optimizers()
+        with self.manual.micro_step(self) as micro:
+            self.manual_backward(micro.scale(self.loss(batch)))
+        if micro.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+        return None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def counting_allreduce_hook(process_group, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations)
+    ALLREDUCE_BUCKETS.append(bucket.index())
+    return default_hooks.allreduce_hook(process_group, bucket)
+
+
+class CountAllReduces(pl.Callback):
+    """Lightning registers `ddp_comm_hook` only on CUDA, so register the counting hook on the DDP module here."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.model.register_comm_hook(None, counting_allreduce_hook)
+
+
+class CountReduceScatters(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profiler.__enter__()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.profiler.__exit__(None, None, None)
+        names = collections.Counter(event.name for event in self.profiler.events())
+        self.reduce_scatters = names["c10d::_reduce_scatter_base_"]
+        self.all_gathers = names["c10d::_allgather_base_"]
+
+
+def full_weights(module: nn.Module) -> dict[str, list[float]]:
+    weights = {}
+    for name, param in module.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param  # DTensor under FSDP2
+        weights[name] = tensor.detach().flatten().cpu().tolist()
+    return weights
+
+
+def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
+    ALLREDUCE_BUCKETS.clear()
+    callbacks: list[pl.Callback] = []
+    trainer_args: dict[str, Any] = {}
+    manual = ManualAccumulation(options["factor"]) if mode == "manual" else None
+    if mode == "stock":
+        trainer_args["accumulate_grad_batches"] = options["factor"]
+    elif mode == "ours":
+        callbacks.append(AccumulationScheduler(options["scheduling"], unit=options.get("unit", "epoch")))
+    sync = options.get("gradient_sync", "last")
+    if backend == "ddp":
+        callbacks.append(CountAllReduces())
+        strategy = DDPStrategy() if mode == "stock" else DDPAccumulationStrategy(gradient_sync=sync)
+    elif backend == "fsdp1":
+        counter = CountReduceScatters()
+        callbacks.append(counter)
+        wrap = {"auto_wrap_policy": {nn.Linear}}
+        strategy = FSDPStrategy(**wrap) if mode == "stock" else FSDPAccumulationStrategy(gradient_sync=sync, **wrap)
+    else:
+        counter = CountReduceScatters()
+        callbacks.append(counter)
+        mesh = {"data_parallel_size": 2, "tensor_parallel_size": 1}
+        strategy = (
+            ModelParallelStrategy(**mesh)
+            if mode == "stock"
+            else ModelParallelAccumulationStrategy(gradient_sync=sync, **mesh)
+        )
+    trainer = pl.Trainer(
+        accelerator="cuda" if backend == "fsdp1" else "cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=2,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_args,
+    )
+    model = Regression(shard=backend == "fsdp2", manual=manual)
+    trainer.fit(model, DataLoader(TensorDataset(*make_data()), batch_size=MICRO_BATCH))
+    record: dict[str, Any] = {
+        "optimizer_steps": trainer.global_step,
+        "micro_steps": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
+        "world_size": trainer.world_size,
+    }
+    if backend == "ddp":
+        record["allreduce_buckets"] = list(ALLREDUCE_BUCKETS)
+    else:
+        record["reduce_scatters"] = counter.reduce_scatters
+        record["all_gathers"] = counter.all_gathers
+    if backend == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(trainer.strategy.model):
+            weights = full_weights(model.net)
+    else:
+        weights = full_weights(model.net)  # a collective under FSDP2: every rank takes part
+    if trainer.global_rank == 0:
+        record["weights"] = weights
+    (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+CONFIGS = {
+    "stock_k4": {"mode": "stock", "factor": 4},
+    "last_k3": {"mode": "ours", "scheduling": {0: 3}},
+    "every_k3": {"mode": "ours", "scheduling": {0: 3}, "gradient_sync": "every"},
+    "last_step_schedule": {"mode": "ours", "scheduling": {0: 2, 3: 4}, "unit": "step"},
+    "manual_k3": {"mode": "manual", "factor": 3},
+}
+
+
+def main() -> None:
+    backend, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, options in CONFIGS.items():
+        run(backend, name, out=out, **options)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Two real CPU processes (gloo): gradient collectives per optimizer step and weights against one big batch.
+
+The scripts in tests/scripts are launched as a user would (``python script.py``, ``Trainer(devices=2)``); each runs
+several configurations in one launch. The reference is plain PyTorch on one process: one SGD step per window on the
+mean loss over every sample of the window on both ranks. Lightning gives each rank a shuffling DistributedSampler
+(seed 0, reshuffled each epoch), so micro-step j of an epoch holds rank 0's and rank 1's j-th micro-batches of that
+epoch's order; the reference draws the same orders from torch's DistributedSampler.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
+from two_ranks import LR, make_data, make_net  # noqa: E402
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+MICRO_BATCH = 4  # per rank
+MICRO_STEPS_PER_EPOCH = 8
+UNITS = 2  # FSDP units (two Linear layers): one reduce-scatter each per reduction
+WINDOWS = {
+    "stock_k4": [4, 4, 4, 4],
+    "last_k3": [3, 3, 2, 3, 3, 2],  # the last window of each epoch holds the 2 micro-steps left
+    "every_k3": [3, 3, 2, 3, 3, 2],
+    "manual_k3": [3, 3, 2, 3, 3, 2],
+    "last_step_schedule": [2, 2, 2, 2, 4, 4],  # {0: 2, 3: 4} by step: factor 4 from step 3, cut at the epoch end
+}
+
+
+def micro_step_indices(epoch: int) -> list[list[int]]:
+    """The samples of each micro-step of ``epoch``, both ranks together, in the order Lightning feeds them."""
+    x, _ = make_data()
+    orders = []
+    for rank in (0, 1):
+        sampler = DistributedSampler(range(len(x)), num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return [
+        orders[0][j * MICRO_BATCH : (j + 1) * MICRO_BATCH] + orders[1][j * MICRO_BATCH : (j + 1) * MICRO_BATCH]
+        for j in range(MICRO_STEPS_PER_EPOCH)
+    ]
+
+
+def reference_weights(windows: list[int]) -> dict[str, torch.Tensor]:
+    x, y = make_data()
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    position = 0
+    for size in windows:
+        epoch, first = divmod(position, MICRO_STEPS_PER_EPOCH)
+        assert first + size <= MICRO_STEPS_PER_EPOCH, "a window never spans epochs"
+        index = torch.tensor(sum(micro_step_indices(epoch)[first : first + size], []))
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(x[index]), y[index]).backward()  # the mean over the whole window
+        optimizer.step()
+        position += size
+    return {name: param.detach() for name, param in net.named_parameters()}
+
+
+def max_deviation(record: dict, windows: list[int]) -> float:
+    reference = reference_weights(windows)
+    assert set(record["weights"]) == set(reference)
+    return max(
+        (torch.tensor(record["weights"][name]) - reference[name].flatten()).abs().max().item() for name in reference
+    )
+
+
+def _launch(script: str, *args: str, out: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+
+
+def _records(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    _launch("two_ranks.py", "ddp", out=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    _launch("two_ranks.py", "fsdp2", out=out)
+    return out
+
+
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_ddp_matches_the_big_batch_reference(ddp, name):
+    rank0, rank1 = _records(ddp, name)
+    assert rank0["world_size"] == 2
+    assert rank0["optimizer_steps"] == len(WINDOWS[name])
+    assert max_deviation(rank0, WINDOWS[name]) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("name", "reductions"),
+    [
+        ("stock_k4", "per_step"),  # stock DDP already skips with a constant factor (no_sync)
+        ("last_k3", "per_step"),
+        ("last_step_schedule", "per_step"),  # and stays exact across a change in the middle of an epoch
+        ("manual_k3", "per_step"),
+        ("every_k3", "per_micro_step"),
+    ],
+)
+def test_ddp_all_reduces_once_per_bucket_per_optimizer_step(ddp, name, reductions):
+    for record in _records(ddp, name):
+        buckets = len(set(record["allreduce_buckets"]))
+        assert buckets >= 1
+        per = record["optimizer_steps"] if reductions == "per_step" else record["micro_steps"]
+        assert len(record["allreduce_buckets"]) == per * buckets
+
+
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_fsdp2_matches_the_big_batch_reference(fsdp2, name):
+    rank0, _ = _records(fsdp2, name)
+    assert rank0["optimizer_steps"] == len(WINDOWS[name])
+    assert max_deviation(rank0, WINDOWS[name]) <= 1e-5
+
+
+def test_stock_model_parallel_reduce_scatters_on_every_micro_step(fsdp2):
+    for record in _records(fsdp2, "stock_k4"):
+        assert record["micro_steps"] == 16
+        assert record["reduce_scatters"] == UNITS * record["micro_steps"]  # 8 per optimizer step at factor 4
+
+
+@pytest.mark.parametrize("name", ["last_k3", "last_step_schedule", "manual_k3"])
+def test_fsdp2_reduce_scatters_once_per_unit_per_optimizer_step_with_last(fsdp2, name):
+    stock = _records(fsdp2, "stock_k4")[0]
+    for record in _records(fsdp2, name):
+        assert record["reduce_scatters"] == UNITS * record["optimizer_steps"]
+        # skipping the reduction costs no extra parameter all-gathers
+        assert record["all_gathers"] == stock["all_gathers"]
+
+
+def test_fsdp2_reduce_scatters_every_micro_step_with_every(fsdp2):
+    for record in _records(fsdp2, "every_k3"):
+        assert record["reduce_scatters"] == UNITS * record["micro_steps"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_manual_accumulation_equals_automatic(backend, request):
+    out = request.getfixturevalue(backend)
+    manual, automatic = _records(out, "manual_k3"), _records(out, "last_k3")
+    for key in ("allreduce_buckets", "reduce_scatters", "all_gathers", "optimizer_steps", "micro_steps"):
+        assert [r.get(key) for r in manual] == [r.get(key) for r in automatic], key
+    for name, values in automatic[0]["weights"].items():
+        assert torch.tensor(manual[0]["weights"][name]).sub(torch.tensor(values)).abs().max().item() <= 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="Lightning's FSDPStrategy (FSDP1) needs 2 CUDA devices")
+def test_fsdp1_end_to_end_on_cuda(tmp_path):
+    _launch("two_ranks.py", "fsdp1", out=tmp_path)
+    for name, windows in WINDOWS.items():
+        rank0, rank1 = _records(tmp_path, name)
+        assert rank0["optimizer_steps"] == len(windows)
+        assert max_deviation(rank0, windows) <= 1e-5, name
+        if name != "stock_k4":
+            per = rank0["micro_steps"] if name == "every_k3" else rank0["optimizer_steps"]
+            assert rank0["reduce_scatters"] == rank1["reduce_scatters"] == UNITS * per, name
+
+
+def test_fsdp1_sync_control_on_the_real_fsdp_class(tmp_path):
+    _launch("fsdp1_sync.py", out=tmp_path)
+    last, every = (json.loads((tmp_path / f"{policy}.json").read_text()) for policy in ("last", "every"))
+    windows = WINDOWS["last_k3"]
+    assert last["optimizer_steps"] == every["optimizer_steps"] == len(windows)
+    assert last["reduce_scatters"] == UNITS * len(windows)
+    assert every["reduce_scatters"] == UNITS * sum(windows)
+    assert max_deviation(last, windows) <= 1e-5
+    assert max_deviation(every, windows) <= 1e-5
