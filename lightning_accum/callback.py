@@ -7,7 +7,9 @@ the checkpoint.
 
 from __future__ import annotations
 
+import inspect
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
+from lightning_accum.items import check_normalize_by, make_counter
 from lightning_accum.monitor import StepRecord, memory_metrics, step_metrics, summary_text, tensorboard_layout
 from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale
 from lightning_accum.schedule import (
@@ -72,6 +75,18 @@ class AccumulationScheduler(Callback):
             the effective batch of the first window.
         lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps instead of
             jumping (Goyal et al.'s gradual warmup); the first scale warms up from 1.
+        normalize_by: What each micro-batch weighs in the window's mean. ``"micro_batch"``: each the same (the mean of
+            the micro-batches' mean losses). ``"sample"``: its number of samples, so the step equals the mean over all
+            samples of the window on all ranks even when micro-batches differ in size (a short last batch with
+            ``drop_last=False``). ``"token"``: its number of loss-bearing tokens, totalled over the window and all
+            ranks, so the step equals that of the mean loss over every token of the window (the "gradient
+            accumulation bug" fixed in Hugging Face transformers in October 2024). ``training_step`` keeps returning
+            its usual per-micro-batch mean loss. One all-reduce of a scalar per optimizer step across ranks.
+        token_key: Where ``normalize_by="token"`` finds the labels in a batch: a key of a mapping batch or a position
+            in a tuple or list batch.
+        ignore_index: The label value that bears no loss; every other label counts as one token.
+        count_items: A function ``batch -> int or tensor`` that counts a micro-batch's items, for batches the two
+            rules above do not cover (it replaces them for ``"sample"`` and ``"token"``).
         log_metrics: Log the ``accum/...`` metrics (see :mod:`lightning_accum.monitor`) once per optimizer step
             through every logger, with a dashboard and a summary for TensorBoard, and show the factor and effective
             batch in the progress bar.
@@ -107,9 +122,20 @@ class AccumulationScheduler(Callback):
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         base_batch_size: int | None = None,
         lr_warmup_steps: int = 0,
+        normalize_by: Literal["micro_batch", "sample", "token"] = "micro_batch",
+        token_key: str | int = "labels",
+        ignore_index: int = -100,
+        count_items: Callable[[Any], Any] | None = None,
         log_metrics: bool = True,
     ) -> None:
         super().__init__()
+        self._normalize_by = check_normalize_by(normalize_by)
+        if not isinstance(token_key, (str, int)) or isinstance(token_key, bool):
+            raise TypeError(f"`token_key` must be a str (a mapping key) or an int (a position), got {token_key!r}")
+        check_int("ignore_index", ignore_index, minimum=-(2**63))
+        if count_items is not None and not callable(count_items):
+            raise TypeError(f"`count_items` must be a callable `batch -> int`, got {count_items!r}")
+        self._count_items = make_counter(self._normalize_by, token_key, ignore_index, count_items)
         self._unit = check_unit(unit)
         self._rule = check_rule(lr_scaling)
         self._base_batch_size = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
@@ -147,6 +173,10 @@ class AccumulationScheduler(Callback):
         self._samples_per_micro_step = 0
         self._loop: LoopControl | None = None
         self._trainer_accumulate_grad_batches = 1
+        self._items: Any = None  # the micro-batch in progress: its samples or tokens on this rank
+        self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
+        self._items_per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
+        self._last_window_items = 0.0  # all ranks, for logging
 
     @staticmethod
     def _make_ramp(
@@ -211,6 +241,13 @@ class AccumulationScheduler(Callback):
         if stage != "fit":
             return
         _check_trainer(trainer, pl_module, self)
+        if self._count_items is not None and "dataloader_iter" in inspect.signature(pl_module.training_step).parameters:
+            raise ValueError(
+                f"normalize_by={self._normalize_by!r} counts each micro-batch's items before its backward, but"
+                " `training_step(self, dataloader_iter)` hides the batch from callbacks: use `training_step(self,"
+                " batch, batch_idx)` or normalize_by='micro_batch'"
+            )
+        self._items_per_micro_batch = None
         if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
             self._samples_seen = self._micro_steps = 0
             self._window = Window()
@@ -265,7 +302,7 @@ class AccumulationScheduler(Callback):
             self._window.discard()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         if self._window.closed:
@@ -276,11 +313,34 @@ class AccumulationScheduler(Callback):
             effective = self._effective_batch_size(self._factor, trainer.world_size)
             self._warmup.set(lr_scale(self._rule, effective, self._base), step=trainer.global_step)
             self._window_loss, self._window_started = None, time.perf_counter()
+            self._window_items = 0
         ends_epoch = batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch
         self._window.take(ends_epoch=ends_epoch)
+        if self._count_items is not None:
+            self._items = self._count_items(batch)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._count_items is None:
+            return
+        items = self._items
+        if self._items_per_micro_batch is None:
+            # once per fit: a scale common to all ranks, so that weighted losses stay near the unweighted ones
+            first = torch.as_tensor(items, dtype=torch.float32, device=loss.device)
+            self._items_per_micro_batch = max(float(trainer.strategy.reduce(first, reduce_op="mean")), 1.0)
+        # Lightning divided the loss by the window's size; make it items / (typical items) instead, in place: the
+        # tensor handed to this hook is the fresh quotient that backward runs on
+        weight = torch.as_tensor(items, dtype=loss.dtype, device=loss.device) * (
+            self._window.size / self._items_per_micro_batch
+        )
+        loss.mul_(weight)
+        self._window_items = self._window_items + items
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._count_items is not None:
+            self._normalize_by_items(trainer, pl_module, optimizer)
+            return
         correction = self._window.gradient_correction
         if correction != 1.0:  # only an epoch of unknown length ends a window early
             with torch.no_grad():
@@ -299,7 +359,10 @@ class AccumulationScheduler(Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):  # Lightning's loss is already divided by the window's size
-            self._window_loss = loss.detach() if self._window_loss is None else self._window_loss + loss.detach()
+            loss = loss.detach()
+            if self._count_items is not None:  # weigh by items: sum(loss_i * items_i), divided at the window's end
+                loss = loss * self._window.size * torch.as_tensor(self._items, dtype=loss.dtype, device=loss.device)
+            self._window_loss = loss if self._window_loss is None else self._window_loss + loss
         if self._window.closed:
             self._log_step(trainer, pl_module)
 
@@ -336,6 +399,22 @@ class AccumulationScheduler(Callback):
             self._window.discard()
 
     # ------------------------------------------------------------------ helpers
+
+    def _normalize_by_items(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        """Turn the sum of item-weighted gradients into the mean over every item of the window on every rank."""
+        assert self._items_per_micro_batch is not None, "on_before_backward ran for this window"
+        device = pl_module.device
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        local = torch.as_tensor(self._window_items, dtype=dtype, device=device)
+        total = float(trainer.strategy.reduce(local, reduce_op="sum"))  # the one collective this adds per step
+        self._last_window_items = total
+        # the gradient holds the rank average of sum(items_i * grad_i) / items_per_micro_batch
+        scale = trainer.world_size * self._items_per_micro_batch / total if total > 0 else 0.0
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        param.grad.mul_(scale)
 
     def _build_schedule(self, trainer: pl.Trainer, micro_batch_size: int | None) -> Schedule:
         self._samples_per_micro_step = (micro_batch_size or 0) * trainer.world_size
@@ -389,14 +468,23 @@ class AccumulationScheduler(Callback):
             samples_seen=self._samples_seen,
             optimizer_steps=trainer.global_step,
             micro_steps=self._micro_steps,
-            window_loss=None
-            if self._window_loss is None
-            else self._window_loss.item() * self._window.gradient_correction,
+            window_loss=self._window_loss_value(),
             seconds=time.perf_counter() - self._window_started,
         )
         metrics = {**step_metrics(record), **memory_metrics(pl_module.device)}
+        if self._count_items is not None:
+            metrics[f"accum/window_{self._normalize_by}s"] = self._last_window_items
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _window_loss_value(self) -> float | None:
+        """Rank zero's mean training loss over the window: per micro-batch, or per sample or token."""
+        if self._window_loss is None:
+            return None
+        if self._count_items is None:
+            return self._window_loss.item() * self._window.gradient_correction
+        items = float(torch.as_tensor(self._window_items).sum())
+        return self._window_loss.item() / items if items > 0 else None
 
     def _factor_now(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"

@@ -16,6 +16,8 @@ and never reads Trainer state; the callback decides when to log and through whic
 | ``accum/micro_steps`` | micro-batches trained on (one rank) |
 | ``accum/window_loss`` | mean training loss over the window's micro-batches (rank zero's) |
 | ``accum/samples_per_second`` | effective batch / wall time of the window |
+| ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
+  window, all ranks |
 | ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
 | ``accum/memory_reserved_mb`` | CUDA: memory reserved by the caching allocator |
 | ``accum/memory_peak_mb`` | CUDA: the peak allocated since the last optimizer step |

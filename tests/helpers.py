@@ -99,3 +99,30 @@ def weights(module: pl.LightningModule) -> list[torch.Tensor]:
 
 def max_deviation(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a, b, strict=True))
+
+
+def make_tokens(samples: int, length: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Sequences of 5-feature tokens with regression labels; -100 marks the positions that bear no loss."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(samples, length, 5, generator=generator)
+    labels = features.sum(-1) + 0.1 * torch.randn(samples, length, generator=generator)
+    lengths = torch.randint(0, length + 1, (samples,), generator=generator)  # some sequences bear no loss at all
+    labels[torch.arange(length) >= lengths[:, None]] = -100
+    return {"features": features, "labels": labels}
+
+
+def token_loss(net: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    mask = labels != -100
+    prediction = net(features).squeeze(-1)
+    return ((prediction - labels)[mask] ** 2).sum() / mask.sum().clamp(min=1)
+
+
+class DictDataset(torch.utils.data.Dataset):
+    def __init__(self, data: dict[str, torch.Tensor]) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data["labels"])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {key: value[index] for key, value in self.data.items()}

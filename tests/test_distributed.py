@@ -20,7 +20,9 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
-from two_ranks import LR, make_data, make_net  # noqa: E402
+from two_ranks import LR, NUM_SAMPLES, make_data, make_net  # noqa: E402
+
+from tests.helpers import make_tokens, token_loss  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MICRO_BATCH = 4  # per rank
@@ -32,15 +34,17 @@ WINDOWS = {
     "every_k3": [3, 3, 2, 3, 3, 2],
     "manual_k3": [3, 3, 2, 3, 3, 2],
     "last_step_schedule": [2, 2, 2, 2, 4, 4],  # {0: 2, 3: 4} by step: factor 4 from step 3, cut at the epoch end
+    "sample_ragged_k3": [3, 3, 2, 3, 3, 2],  # 60 samples: each rank's last micro-batch holds 2
+    "token_k3": [3, 3, 2, 3, 3, 2],
 }
+NUM_SAMPLES_OF = {"sample_ragged_k3": 60}
 
 
-def micro_step_indices(epoch: int) -> list[list[int]]:
+def micro_step_indices(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[int]]:
     """The samples of each micro-step of ``epoch``, both ranks together, in the order Lightning feeds them."""
-    x, _ = make_data()
     orders = []
     for rank in (0, 1):
-        sampler = DistributedSampler(range(len(x)), num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler = DistributedSampler(range(num_samples), num_replicas=2, rank=rank, shuffle=True, seed=0)
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return [
@@ -49,24 +53,29 @@ def micro_step_indices(epoch: int) -> list[list[int]]:
     ]
 
 
-def reference_weights(windows: list[int]) -> dict[str, torch.Tensor]:
-    x, y = make_data()
+def reference_weights(windows: list[int], name: str = "") -> dict[str, torch.Tensor]:
+    num_samples = NUM_SAMPLES_OF.get(name, NUM_SAMPLES)
+    x, y = make_data(num_samples)
+    tokens = make_tokens(NUM_SAMPLES) if name.startswith("token") else None
     net = make_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     position = 0
     for size in windows:
         epoch, first = divmod(position, MICRO_STEPS_PER_EPOCH)
         assert first + size <= MICRO_STEPS_PER_EPOCH, "a window never spans epochs"
-        index = torch.tensor(sum(micro_step_indices(epoch)[first : first + size], []))
+        index = torch.tensor(sum(micro_step_indices(epoch, num_samples)[first : first + size], []))
         optimizer.zero_grad()
-        nn.functional.mse_loss(net(x[index]), y[index]).backward()  # the mean over the whole window
+        if tokens is None:  # the mean over every sample of the window
+            nn.functional.mse_loss(net(x[index]), y[index]).backward()
+        else:  # the mean over every loss-bearing token of the window
+            token_loss(net, tokens["features"][index], tokens["labels"][index]).backward()
         optimizer.step()
         position += size
     return {name: param.detach() for name, param in net.named_parameters()}
 
 
-def max_deviation(record: dict, windows: list[int]) -> float:
-    reference = reference_weights(windows)
+def max_deviation(record: dict, windows: list[int], name: str = "") -> float:
+    reference = reference_weights(windows, name)
     assert set(record["weights"]) == set(reference)
     return max(
         (torch.tensor(record["weights"][name]) - reference[name].flatten()).abs().max().item() for name in reference
@@ -107,7 +116,7 @@ def test_ddp_matches_the_big_batch_reference(ddp, name):
     rank0, rank1 = _records(ddp, name)
     assert rank0["world_size"] == 2
     assert rank0["optimizer_steps"] == len(WINDOWS[name])
-    assert max_deviation(rank0, WINDOWS[name]) <= 1e-5
+    assert max_deviation(rank0, WINDOWS[name], name) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -117,6 +126,8 @@ def test_ddp_matches_the_big_batch_reference(ddp, name):
         ("last_k3", "per_step"),
         ("last_step_schedule", "per_step"),  # and stays exact across a change in the middle of an epoch
         ("manual_k3", "per_step"),
+        ("sample_ragged_k3", "per_step"),  # the weighting adds one scalar all-reduce, not a gradient one
+        ("token_k3", "per_step"),
         ("every_k3", "per_micro_step"),
     ],
 )
@@ -132,7 +143,7 @@ def test_ddp_all_reduces_once_per_bucket_per_optimizer_step(ddp, name, reduction
 def test_fsdp2_matches_the_big_batch_reference(fsdp2, name):
     rank0, _ = _records(fsdp2, name)
     assert rank0["optimizer_steps"] == len(WINDOWS[name])
-    assert max_deviation(rank0, WINDOWS[name]) <= 1e-5
+    assert max_deviation(rank0, WINDOWS[name], name) <= 1e-5
 
 
 def test_stock_model_parallel_reduce_scatters_on_every_micro_step(fsdp2):
@@ -141,7 +152,7 @@ def test_stock_model_parallel_reduce_scatters_on_every_micro_step(fsdp2):
         assert record["reduce_scatters"] == UNITS * record["micro_steps"]  # 8 per optimizer step at factor 4
 
 
-@pytest.mark.parametrize("name", ["last_k3", "last_step_schedule", "manual_k3"])
+@pytest.mark.parametrize("name", ["last_k3", "last_step_schedule", "manual_k3", "sample_ragged_k3", "token_k3"])
 def test_fsdp2_reduce_scatters_once_per_unit_per_optimizer_step_with_last(fsdp2, name):
     stock = _records(fsdp2, "stock_k4")[0]
     for record in _records(fsdp2, name):
@@ -171,7 +182,7 @@ def test_fsdp1_end_to_end_on_cuda(tmp_path):
     for name, windows in WINDOWS.items():
         rank0, rank1 = _records(tmp_path, name)
         assert rank0["optimizer_steps"] == len(windows)
-        assert max_deviation(rank0, windows) <= 1e-5, name
+        assert max_deviation(rank0, windows, name) <= 1e-5, name
         if name != "stock_k4":
             per = rank0["micro_steps"] if name == "every_k3" else rank0["optimizer_steps"]
             assert rank0["reduce_scatters"] == rank1["reduce_scatters"] == UNITS * per, name

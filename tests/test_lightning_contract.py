@@ -60,3 +60,20 @@ def test_lightning_consults_the_shadowed_decisions_and_gets_them_back():
     epoch_loop = fit_trainer.fit_loop.epoch_loop
     assert "_should_accumulate" not in vars(epoch_loop)
     assert "_make_zero_grad_fn" not in vars(epoch_loop.automatic_optimization)
+
+
+def test_on_before_backward_receives_the_fresh_quotient_that_backward_runs_on():
+    """normalize_by='sample'/'token' re-weights that tensor in place (lightning_accum/callback.py)."""
+    seen = []
+
+    class Zero(Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            seen.append((loss.grad_fn is not None and not loss.is_leaf, loss._base is None))
+            loss.mul_(0.0)
+
+    x, y = make_data(8)
+    module = RegressionModule()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer([Zero()], max_epochs=1, accumulate_grad_batches=2).fit(module, loader(x, y, 4))
+    assert seen == [(True, True), (True, True)]  # a non-leaf, non-view result of Lightning's division
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))  # zero gradients

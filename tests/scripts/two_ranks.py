@@ -27,22 +27,24 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_accum import (  # noqa: E402
     AccumulationScheduler,
     DDPAccumulationStrategy,
     FSDPAccumulationStrategy,
     ManualAccumulation,
     ModelParallelAccumulationStrategy,
 )
+from tests.helpers import DictDataset, make_tokens, token_loss  # noqa: E402
 
 NUM_SAMPLES, MICRO_BATCH, LR = 64, 4, 0.1  # 2 ranks x 4 = 8 samples per micro-step, 8 micro-steps per epoch
 ALLREDUCE_BUCKETS: list[int] = []
 
 
-def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+def make_data(num_samples: int = NUM_SAMPLES) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(NUM_SAMPLES, 5, generator=generator)
-    y = x @ torch.randn(5, 1, generator=generator) + 0.3 * torch.randn(NUM_SAMPLES, 1, generator=generator)
+    x = torch.randn(num_samples, 5, generator=generator)
+    y = x @ torch.randn(5, 1, generator=generator) + 0.3 * torch.randn(num_samples, 1, generator=generator)
     return x, y
 
 
@@ -69,6 +71,8 @@ class Regression(pl.LightningModule):
             fully_shard(self.net, mesh=mesh)
 
     def loss(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):  # token data: the mean over this micro-batch's loss-bearing tokens
+            return token_loss(self.net, batch["features"], batch["labels"])
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -127,7 +131,13 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
     if mode == "stock":
         trainer_args["accumulate_grad_batches"] = options["factor"]
     elif mode == "ours":
-        callbacks.append(AccumulationScheduler(options["scheduling"], unit=options.get("unit", "epoch")))
+        callbacks.append(
+            AccumulationScheduler(
+                options["scheduling"],
+                unit=options.get("unit", "epoch"),
+                normalize_by=options.get("normalize_by", "micro_batch"),
+            )
+        )
     sync = options.get("gradient_sync", "last")
     if backend == "ddp":
         callbacks.append(CountAllReduces())
@@ -159,7 +169,11 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         **trainer_args,
     )
     model = Regression(shard=backend == "fsdp2", manual=manual)
-    trainer.fit(model, DataLoader(TensorDataset(*make_data()), batch_size=MICRO_BATCH))
+    if options.get("normalize_by") == "token":
+        data: Any = DictDataset(make_tokens(NUM_SAMPLES))
+    else:
+        data = TensorDataset(*make_data(options.get("num_samples", NUM_SAMPLES)))
+    trainer.fit(model, DataLoader(data, batch_size=MICRO_BATCH))
     record: dict[str, Any] = {
         "optimizer_steps": trainer.global_step,
         "micro_steps": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
@@ -188,6 +202,10 @@ CONFIGS = {
     "every_k3": {"mode": "ours", "scheduling": {0: 3}, "gradient_sync": "every"},
     "last_step_schedule": {"mode": "ours", "scheduling": {0: 2, 3: 4}, "unit": "step"},
     "manual_k3": {"mode": "manual", "factor": 3},
+    # 30 samples a rank: micro-batches 4 x 7 and a last one of 2, windows 3 3 2
+    "sample_ragged_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "sample", "num_samples": 60},
+    # sequences with 0 to 6 loss-bearing tokens: every micro-batch, on each rank, holds a different number
+    "token_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "token"},
 }
 
 

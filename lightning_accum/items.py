@@ -1,0 +1,112 @@
+"""What a micro-batch weighs under sample or token normalization: counting its items from the batch itself.
+
+Pure (torch only). Counts stay tensors on the batch's device, so counting never forces a host synchronisation; the
+callback adds them up over the window and reduces the total across ranks once per optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, cast
+
+import torch
+
+NormalizeBy = Literal["micro_batch", "sample", "token"]
+NORMALIZE_BY: tuple[NormalizeBy, ...] = ("micro_batch", "sample", "token")
+
+
+def check_normalize_by(value: object) -> NormalizeBy:
+    """Return ``value`` if it is a known normalization mode.
+
+    Raises:
+        ValueError: If ``value`` is not ``"micro_batch"``, ``"sample"`` or ``"token"``.
+
+    Example::
+
+        >>> check_normalize_by("token")
+        'token'
+    """
+    if value not in NORMALIZE_BY:
+        raise ValueError(f"`normalize_by` must be one of {list(NORMALIZE_BY)}, got {value!r}")
+    return cast(NormalizeBy, value)
+
+
+def count_samples(batch: Any) -> int:
+    """The length of the first tensor found in ``batch`` (a tensor, or mappings and sequences of them).
+
+    Raises:
+        ValueError: If the batch holds no tensor with a first dimension.
+
+    Example::
+
+        >>> count_samples({"input_ids": torch.zeros(3, 7), "labels": torch.zeros(3, 7)})
+        3
+    """
+    tensor = _first_tensor(batch)
+    if tensor is None:
+        raise ValueError(
+            f"normalize_by='sample' could not find a tensor with a batch dimension in a batch of type"
+            f" {type(batch).__name__}: pass `count_items` to AccumulationScheduler"
+        )
+    return int(tensor.shape[0])
+
+
+def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100) -> torch.Tensor:
+    """The loss-bearing tokens of a batch: entries of ``batch[key]`` that are not ``ignore_index``.
+
+    Args:
+        batch: A mapping (``key`` is a name) or a sequence (``key`` is a position), as the dataloader yields it.
+        key: Where the labels are.
+        ignore_index: The label value that bears no loss (``cross_entropy``'s default is -100).
+
+    Raises:
+        KeyError: If ``batch`` has no entry ``key``.
+        TypeError: If the entry is not a tensor.
+
+    Example::
+
+        >>> count_tokens({"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])})
+        tensor(3)
+    """
+    try:
+        labels = batch[key]
+    except (KeyError, IndexError, TypeError) as error:
+        kind = type(batch).__name__
+        raise KeyError(
+            f"normalize_by='token' reads the labels at `token_key={key!r}`, but the batch ({kind}) has no such entry:"
+            " set `token_key` to the labels' key or position, or pass `count_items`"
+        ) from error
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"normalize_by='token' expects a tensor at `token_key={key!r}`, got {type(labels).__name__}")
+    return (labels != ignore_index).sum()
+
+
+def make_counter(
+    normalize_by: NormalizeBy,
+    token_key: str | int = "labels",
+    ignore_index: int = -100,
+    count_items: Callable[[Any], Any] | None = None,
+) -> Callable[[Any], torch.Tensor | int] | None:
+    """The function that weighs a micro-batch under ``normalize_by`` (``None`` for ``"micro_batch"``)."""
+    if normalize_by == "micro_batch":
+        return None
+    if count_items is not None:
+        return count_items
+    if normalize_by == "sample":
+        return count_samples
+    return lambda batch: count_tokens(batch, token_key, ignore_index)
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.dim() > 0 else None
+    values: Sequence[Any] | None = None
+    if isinstance(batch, Mapping):
+        values = list(batch.values())
+    elif isinstance(batch, Sequence) and not isinstance(batch, str):
+        values = batch
+    for value in values or ():
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None

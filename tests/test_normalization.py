@@ -1,0 +1,184 @@
+"""normalize_by="sample" and "token": ragged micro-batches step on the mean over every sample or token of the window.
+
+The reference is plain PyTorch: one SGD step per window on the loss averaged over all samples (or all loss-bearing
+tokens) of the window's micro-batches taken together, as one big batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler
+from lightning_accum.items import count_samples, count_tokens
+from tests.helpers import (
+    LR,
+    BatchStream,
+    DictDataset,
+    RegressionModule,
+    loader,
+    make_data,
+    make_net,
+    make_tokens,
+    max_deviation,
+    token_loss,
+    trainer,
+    weights,
+)
+
+TOLERANCE = 1e-6
+
+
+def sample_reference(x, y, batch_size, windows):
+    """One step per window on the mean over all the window's samples (windows in micro-batches, epoch by epoch)."""
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for epoch_windows in windows:
+        start = 0
+        for size in epoch_windows:
+            stop = min(start + size * batch_size, len(x))
+            optimizer.zero_grad()
+            nn.functional.mse_loss(net(x[start:stop]), y[start:stop]).backward()
+            optimizer.step()
+            start = stop
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("samples", "batch_size", "scheduling", "windows"),
+    [
+        (22, 4, {0: 3}, [[3, 3]]),  # micro-batches 4 4 4 | 4 4 2: the second window holds 10 samples
+        (30, 4, {0: 1, 1: 4}, [[1] * 8, [4, 4]]),  # 8 micro-batches of 4 4 4 4 4 4 4 2
+    ],
+)
+def test_sample_weighting_equals_one_big_batch(samples, batch_size, scheduling, windows):
+    x, y = make_data(samples)
+    model = RegressionModule()
+    fit = trainer([AccumulationScheduler(scheduling, normalize_by="sample")], max_epochs=len(windows))
+    fit.fit(model, loader(x, y, batch_size))
+    assert max_deviation(weights(model), sample_reference(x, y, batch_size, windows)) <= TOLERANCE
+
+    # the default weighs the short micro-batch like the others: a different, measurably wrong step
+    stock = RegressionModule()
+    trainer([AccumulationScheduler(scheduling)], max_epochs=len(windows)).fit(stock, loader(x, y, batch_size))
+    assert max_deviation(weights(stock), sample_reference(x, y, batch_size, windows)) > 1e-4
+
+
+def test_sample_weighting_in_an_epoch_of_unknown_length():
+    x, y = make_data(22)
+    model = RegressionModule()
+    fit = trainer([AccumulationScheduler({0: 4}, normalize_by="sample", micro_batch_size=4)], max_epochs=2)
+    fit.fit(model, DataLoader(BatchStream(x, y, 4), batch_size=None))
+    # 6 micro-batches an epoch (the last holds 2): windows 4 | 2, cut short by the epoch's end
+    assert max_deviation(weights(model), sample_reference(x, y, 4, [[4, 2], [4, 2]])) <= TOLERANCE
+
+
+class TokenModule(RegressionModule):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return token_loss(self.net, batch["features"], batch["labels"])  # the mean over this micro-batch's tokens
+
+
+def token_reference(data, batch_size, windows):
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    start = 0
+    for size in windows:
+        stop = start + size * batch_size
+        optimizer.zero_grad()
+        token_loss(net, data["features"][start:stop], data["labels"][start:stop]).backward()
+        optimizer.step()
+        start = stop
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_token_weighting_equals_the_mean_over_every_token_of_the_window():
+    data = make_tokens(24)
+    model = TokenModule()
+    fit = trainer([AccumulationScheduler({0: 3}, normalize_by="token")], max_epochs=1)
+    fit.fit(model, DataLoader(DictDataset(data), batch_size=2))
+    assert fit.global_step == 4
+    assert max_deviation(weights(model), token_reference(data, 2, [3, 3, 3, 3])) <= TOLERANCE
+
+    per_micro_batch = TokenModule()
+    trainer([AccumulationScheduler({0: 3})], max_epochs=1).fit(per_micro_batch, DataLoader(DictDataset(data), 2))
+    assert max_deviation(weights(per_micro_batch), token_reference(data, 2, [3, 3, 3, 3])) > 1e-4
+
+
+def test_token_counting_from_a_tuple_batch_and_from_a_callable():
+    data = make_tokens(12)
+
+    class TupleModule(RegressionModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            features, labels = batch
+            return token_loss(self.net, features, labels)
+
+    loader_ = DataLoader(TensorDataset(data["features"], data["labels"]), batch_size=2)
+    by_position = TupleModule()
+    trainer([AccumulationScheduler({0: 2}, normalize_by="token", token_key=1)], max_epochs=1).fit(by_position, loader_)
+    by_callable = TupleModule()
+    callback = AccumulationScheduler({0: 2}, normalize_by="token", count_items=lambda batch: (batch[1] != -100).sum())
+    trainer([callback], max_epochs=1).fit(by_callable, loader_)
+    reference = token_reference(data, 2, [2, 2, 2])
+    assert max_deviation(weights(by_position), reference) <= TOLERANCE
+    assert max_deviation(weights(by_callable), reference) <= TOLERANCE
+
+
+def test_the_window_token_count_and_token_weighted_loss_are_logged(tmp_path):
+    data = make_tokens(12)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callback = AccumulationScheduler({0: 3}, normalize_by="token")
+    module = TokenModule()
+    trainer([callback], max_epochs=1, logger=logger, log_every_n_steps=1).fit(module, DataLoader(DictDataset(data), 2))
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    first = dict(zip(header, rows[1].split(","), strict=True))
+    assert float(first["accum/window_tokens"]) == float((data["labels"][:6] != -100).sum())
+    assert float(first["accum/window_loss"]) == pytest.approx(
+        token_loss(make_net(), data["features"][:6], data["labels"][:6]).item(), rel=1e-5
+    )
+
+
+def test_counting_rules():
+    assert count_samples((torch.zeros(5, 2), torch.zeros(5))) == 5
+    assert count_samples({"a": [torch.tensor(1.0), torch.zeros(3, 1)]}) == 3
+    assert count_tokens({"labels": torch.tensor([[1, -100], [-100, -100]])}).item() == 1
+    assert count_tokens((torch.zeros(2), torch.tensor([0, 3, 7])), key=1, ignore_index=0).item() == 2
+    with pytest.raises(ValueError, match="pass `count_items`"):
+        count_samples({"text": "no tensors here"})
+    with pytest.raises(KeyError, match="token_key='labels'"):
+        count_tokens({"input_ids": torch.zeros(2, 3)})
+    with pytest.raises(TypeError, match="expects a tensor"):
+        count_tokens({"labels": [1, 2]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"normalize_by": "tokens"}, ValueError, r"`normalize_by` must be one of .*got 'tokens'"),
+        ({"normalize_by": "token", "token_key": 1.5}, TypeError, r"`token_key` must be .* got 1.5"),
+        ({"normalize_by": "token", "ignore_index": "-100"}, TypeError, "`ignore_index` must be an integer"),
+        ({"normalize_by": "token", "count_items": 3}, TypeError, "`count_items` must be a callable"),
+    ],
+)
+def test_bad_normalization_arguments_name_themselves(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AccumulationScheduler({0: 2}, **kwargs)
+
+
+def test_dataloader_iter_cannot_be_weighted_and_says_so():
+    class IterModule(RegressionModule):
+        def training_step(self, dataloader_iter: Any) -> torch.Tensor:
+            batch, _, _ = next(dataloader_iter)
+            return super().training_step(batch, 0)
+
+    x, y = make_data(8)
+    model = IterModule()
+    before = weights(model)
+    with pytest.raises(ValueError, match="dataloader_iter"):
+        trainer([AccumulationScheduler({0: 2}, normalize_by="sample")], max_epochs=1).fit(model, loader(x, y, 4))
+    assert max_deviation(weights(model), before) == 0.0
