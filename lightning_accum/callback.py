@@ -258,6 +258,7 @@ class AccumulationScheduler(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, AccumulationStrategyMixin):
             strategy.connect_window(lambda: self._window.closed)
+            strategy.drop_unreduced_gradients()  # from a previous fit that ended in the middle of a window
         elif isinstance(strategy, ModelParallelStrategy):
             rank_zero_warn(
                 "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
@@ -300,6 +301,8 @@ class AccumulationScheduler(Callback):
         if not self._window.closed:
             # an epoch cut short (should_stop, a skipped rest of epoch): its partial window never stepped
             self._window.discard()
+            if isinstance(trainer.strategy, AccumulationStrategyMixin):
+                trainer.strategy.drop_unreduced_gradients()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:

@@ -86,6 +86,7 @@ class ManualAccumulation:
         self._unit = unit
         self._window = Window()
         self._warned = False
+        self._where: tuple[int, int, int] | None = None  # (trainer, epoch, batch) of the last micro-step taken
 
     @property
     def factor(self) -> int:
@@ -98,7 +99,8 @@ class ManualAccumulation:
 
         On a non-final micro-step the strategy's gradient communication is skipped for the duration of the block.
         When an epoch of unknown length ends a window early, the accumulated gradients are rescaled on leaving the
-        block, so the step is still on the mean over the micro-batches taken.
+        block, so the step is still on the mean over the micro-batches taken. A window never spans epochs or fits:
+        one left open (an epoch cut short, a fit that raised) is dropped with its gradients.
 
         Args:
             module: The LightningModule whose ``training_step`` this is (``self``).
@@ -108,6 +110,11 @@ class ManualAccumulation:
         """
         trainer = module.trainer
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        where = (id(trainer), trainer.current_epoch, batch_idx)
+        if not self._window.closed and (self._where is None or where[:2] != self._where[:2] or where <= self._where):
+            # a window left open by an epoch cut short, or by a fit that ended early: it never stepped
+            self._discard(module)
+        self._where = where
         if self._window.closed:
             position = trainer.current_epoch if self._unit == "epoch" else trainer.global_step
             self._window.open(int(min(self._schedule.factor_at(position), trainer.num_training_batches - batch_idx)))
@@ -124,6 +131,13 @@ class ManualAccumulation:
                 for param in module.parameters():
                     if param.grad is not None:
                         param.grad.mul_(window.gradient_correction)
+
+    def _discard(self, module: pl.LightningModule) -> None:
+        self._window.discard()
+        module.zero_grad(set_to_none=True)
+        strategy = module.trainer.strategy
+        if isinstance(strategy, AccumulationStrategyMixin):
+            strategy.drop_unreduced_gradients()
 
     def _warn_if_uncontrolled(self, strategy: object) -> None:
         if self._warned:

@@ -12,29 +12,35 @@ and backward. Under the ``"last"`` policy gradients are reduced once per optimiz
   mistargeted all-gather per window (measured: 70 all-gathers instead of 64 for 16 micro-steps of a 2-unit model),
   and with no reduction pending it has nothing to save.
 
-Under the ``"every"`` policy the reduce-scatter runs on every micro-step, so each rank keeps only its shard of the
-gradients (sharded memory, one reduction per micro-step). On an HSDP mesh (``fully_shard`` on a 2-D mesh) the
-all-reduce across replicas is still deferred to the window's last micro-step with ``set_requires_all_reduce``.
-DDP has no sharded gradients, so ``"every"`` only adds all-reduces there.
+Under the ``"every"`` policy every micro-step reduces as usual, so each FSDP rank keeps only its shard of the
+gradients (sharded memory, one reduction per micro-step). ``"reduce_scatter"`` is ``"every"`` with, on an HSDP mesh
+(``fully_shard`` on a 2-D mesh), the all-reduce across replicas deferred to the window's last micro-step with
+``set_requires_all_reduce``; every sharded unit must then take part in the window's last backward, or torch never
+all-reduces its deferred sum (:func:`fsdp2_pending_gradients` detects it). DDP has no sharded gradients, so the two
+only add all-reduces there.
+
+FSDP2 keeps the gradients of skipped reductions in its own unsharded buffers, which ``optimizer.zero_grad()`` does
+not reach: :func:`drop_fsdp2_pending_gradients` clears them when a window is abandoned before its last micro-step.
+Both read torch-private FSDP2 state (torch 2.4 to 2.13; ``tests/test_torch_contract.py`` fails if it changes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from torch import nn
 
-GradientSync = Literal["last", "every"]
-GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every")
+GradientSync = Literal["last", "every", "reduce_scatter"]
+GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every", "reduce_scatter")
 
 
 def check_gradient_sync(value: object) -> GradientSync:
     """Return ``value`` if it is a known gradient-sync policy.
 
     Raises:
-        ValueError: If ``value`` is not ``"last"`` or ``"every"``.
+        ValueError: If ``value`` is not ``"last"``, ``"every"`` or ``"reduce_scatter"``.
 
     Example::
 
@@ -77,7 +83,8 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
             ``fully_shard`` applied to it or to its submodules. Anything else (one process, no data parallelism)
             runs unchanged.
         policy: ``"last"``: no gradient communication until the window's last micro-step. ``"every"``: reduce (and
-            reduce-scatter) on every micro-step, deferring only HSDP's all-reduce across replicas.
+            reduce-scatter) on every micro-step. ``"reduce_scatter"``: as ``"every"``, deferring only HSDP's
+            all-reduce across replicas to the window's end.
 
     Example::
 
@@ -88,6 +95,9 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
         optimizer.step()
     """
     check_gradient_sync(policy)
+    if policy == "every":
+        yield
+        return
     fsdp2 = fsdp2_modules(module)
     if fsdp2:
         try:
@@ -107,3 +117,43 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
             yield
         return
     yield
+
+
+def _fsdp2_param_groups(module: nn.Module | None) -> list[Any]:
+    groups = []
+    for sub in fsdp2_modules(module):
+        state = sub._get_fsdp_state()  # type: ignore[operator]
+        groups += list(getattr(state, "_fsdp_param_groups", []))
+    return groups
+
+
+def fsdp2_pending_gradients(module: nn.Module | None) -> bool:
+    """Whether an FSDP2 unit holds gradients that no reduction has reached yet.
+
+    True after a backward with ``set_requires_gradient_sync(False)`` (unsharded gradients accumulated) or, on HSDP,
+    with ``set_requires_all_reduce(False)`` (a reduce-scattered sum awaiting its all-reduce). An optimizer step at
+    that point would miss them.
+    """
+    for group in _fsdp2_param_groups(module):
+        if getattr(group, "_partial_reduce_output", None) is not None:
+            return True
+        for param in getattr(group, "fsdp_params", []):
+            if getattr(param, "unsharded_accumulated_grad", None) is not None:
+                return True
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                return True
+    return False
+
+
+def drop_fsdp2_pending_gradients(module: nn.Module | None) -> None:
+    """Forget the gradients FSDP2 accumulated for reductions that will not happen (an abandoned window)."""
+    for group in _fsdp2_param_groups(module):
+        if hasattr(group, "_partial_reduce_output"):
+            group._partial_reduce_output = None
+        for param in getattr(group, "fsdp_params", []):
+            if hasattr(param, "unsharded_accumulated_grad"):
+                param.unsharded_accumulated_grad = None
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None

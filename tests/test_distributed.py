@@ -38,6 +38,10 @@ WINDOWS = {
     "token_k3": [3, 3, 2, 3, 3, 2],
 }
 NUM_SAMPLES_OF = {"sample_ragged_k3": 60}
+WINDOWS["reduce_scatter_k3"] = WINDOWS["every_k3"]  # no HSDP on 2 processes: the same as "every"
+# (epoch, first micro-step, size): epoch 0 stops at micro-step 4, one micro-step into its second window
+EXPLICIT = {name: [(0, 0, 3), (1, 0, 3), (1, 3, 3), (1, 6, 2)] for name in ("last_cut", "manual_cut")}
+WINDOWS.update({name: [size for _, _, size in windows] for name, windows in EXPLICIT.items()})
 
 
 def micro_step_indices(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[int]]:
@@ -60,8 +64,12 @@ def reference_weights(windows: list[int], name: str = "") -> dict[str, torch.Ten
     net = make_net()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     position = 0
+    placed = []
     for size in windows:
         epoch, first = divmod(position, MICRO_STEPS_PER_EPOCH)
+        placed.append((epoch, first, size))
+        position += size
+    for epoch, first, size in EXPLICIT.get(name, placed):
         assert first + size <= MICRO_STEPS_PER_EPOCH, "a window never spans epochs"
         index = torch.tensor(sum(micro_step_indices(epoch, num_samples)[first : first + size], []))
         optimizer.zero_grad()
@@ -70,7 +78,6 @@ def reference_weights(windows: list[int], name: str = "") -> dict[str, torch.Ten
         else:  # the mean over every loss-bearing token of the window
             token_loss(net, tokens["features"][index], tokens["labels"][index]).backward()
         optimizer.step()
-        position += size
     return {name: param.detach() for name, param in net.named_parameters()}
 
 
@@ -111,6 +118,15 @@ def fsdp2(tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_a_step_on_unreduced_gradients_raises_before_the_weights_change(backend, request):
+    for record in _records(request.getfixturevalue(backend), "misuse_last_step"):
+        assert "reduction across ranks has not run" in record["raised"]
+        assert record["optimizer_steps"] == 0
+    untouched = {name: param.detach().flatten().tolist() for name, param in make_net().named_parameters()}
+    assert _records(request.getfixturevalue(backend), "misuse_last_step")[0]["weights"] == untouched
+
+
 @pytest.mark.parametrize("name", list(WINDOWS))
 def test_ddp_matches_the_big_batch_reference(ddp, name):
     rank0, rank1 = _records(ddp, name)
@@ -127,8 +143,11 @@ def test_ddp_matches_the_big_batch_reference(ddp, name):
         ("last_step_schedule", "per_step"),  # and stays exact across a change in the middle of an epoch
         ("manual_k3", "per_step"),
         ("sample_ragged_k3", "per_step"),  # the weighting adds one scalar all-reduce, not a gradient one
+        ("last_cut", "per_step"),  # the dropped window never reduced
+        ("manual_cut", "per_step"),
         ("token_k3", "per_step"),
         ("every_k3", "per_micro_step"),
+        ("reduce_scatter_k3", "per_micro_step"),
     ],
 )
 def test_ddp_all_reduces_once_per_bucket_per_optimizer_step(ddp, name, reductions):
@@ -152,24 +171,29 @@ def test_stock_model_parallel_reduce_scatters_on_every_micro_step(fsdp2):
         assert record["reduce_scatters"] == UNITS * record["micro_steps"]  # 8 per optimizer step at factor 4
 
 
-@pytest.mark.parametrize("name", ["last_k3", "last_step_schedule", "manual_k3", "sample_ragged_k3", "token_k3"])
+@pytest.mark.parametrize(
+    "name", ["last_k3", "last_step_schedule", "manual_k3", "sample_ragged_k3", "token_k3", "last_cut", "manual_cut"]
+)
 def test_fsdp2_reduce_scatters_once_per_unit_per_optimizer_step_with_last(fsdp2, name):
     stock = _records(fsdp2, "stock_k4")[0]
     for record in _records(fsdp2, name):
         assert record["reduce_scatters"] == UNITS * record["optimizer_steps"]
         # skipping the reduction costs no extra parameter all-gathers
-        assert record["all_gathers"] == stock["all_gathers"]
+        if "cut" not in name:
+            assert record["all_gathers"] == stock["all_gathers"]
 
 
-def test_fsdp2_reduce_scatters_every_micro_step_with_every(fsdp2):
-    for record in _records(fsdp2, "every_k3"):
+@pytest.mark.parametrize("name", ["every_k3", "reduce_scatter_k3"])
+def test_fsdp2_reduce_scatters_every_micro_step_with_every(fsdp2, name):
+    for record in _records(fsdp2, name):
         assert record["reduce_scatters"] == UNITS * record["micro_steps"]
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
-def test_manual_accumulation_equals_automatic(backend, request):
+@pytest.mark.parametrize(("manual_name", "automatic_name"), [("manual_k3", "last_k3"), ("manual_cut", "last_cut")])
+def test_manual_accumulation_equals_automatic(backend, manual_name, automatic_name, request):
     out = request.getfixturevalue(backend)
-    manual, automatic = _records(out, "manual_k3"), _records(out, "last_k3")
+    manual, automatic = _records(out, manual_name), _records(out, automatic_name)
     for key in ("allreduce_buckets", "reduce_scatters", "all_gathers", "optimizer_steps", "micro_steps"):
         assert [r.get(key) for r in manual] == [r.get(key) for r in automatic], key
     for name, values in automatic[0]["weights"].items():

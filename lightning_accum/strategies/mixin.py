@@ -20,11 +20,19 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum.sync import GradientSync, can_control, check_gradient_sync, skip_gradient_sync
+from lightning_accum.sync import (
+    GradientSync,
+    can_control,
+    check_gradient_sync,
+    drop_fsdp2_pending_gradients,
+    fsdp2_pending_gradients,
+    skip_gradient_sync,
+)
 
 
 class AccumulationStrategyMixin:
@@ -43,15 +51,20 @@ class AccumulationStrategyMixin:
     FSDP1                     ``no_sync()``: no reduce-scatter; unsharded gradients    reduce-scatter every step;
                               kept on every rank until the window's end                sharded gradients
     FSDP2 (``fully_shard``)   ``set_requires_gradient_sync(False)``; unsharded         reduce-scatter every step;
-                              gradients kept until the window's end                    HSDP's all-reduce deferred
+                              gradients kept until the window's end                    sharded gradients
     ========================  =======================================================  ============================
+
+    ``gradient_sync="reduce_scatter"`` is ``"every"`` with HSDP's all-reduce across replicas deferred to the window's
+    end (every sharded unit must take part in the window's last backward; a step that would miss a deferred sum
+    raises).
 
     Args:
         \*args: Passed to the strategy the mixin is combined with.
         gradient_sync: ``"last"``: one gradient reduction per optimizer step (least communication; under FSDP each
             rank holds the unsharded gradients of the model between micro-steps). ``"every"``: reduce-scatter on
             every micro-step so each rank holds only its gradient shard (least memory; one reduction per
-            micro-step). See ``docs/strategies.md`` for the memory arithmetic.
+            micro-step). ``"reduce_scatter"``: as ``"every"``, with HSDP's all-reduce across replicas deferred to the
+            window's end. See ``docs/strategies.md`` for the memory arithmetic.
         \*\*kwargs: Passed to the strategy the mixin is combined with.
 
     Raises:
@@ -131,11 +144,22 @@ class AccumulationStrategyMixin:
             finally:
                 self._sync_blocked = False
 
+    def drop_unreduced_gradients(self) -> None:
+        """Forget gradients kept for a reduction that will not happen, when a window is abandoned before its end.
+
+        DDP and FSDP1 accumulate in ``.grad``, which the next window's ``zero_grad`` clears; FSDP2 accumulates in
+        buffers of its own that ``zero_grad`` does not reach.
+        """
+        strategy: Any = self
+        drop_fsdp2_pending_gradients(strategy.model)
+        self._reduction_skipped = False
+
     def setup(self, trainer: pl.Trainer) -> None:
         """Set up the parent strategy, then warn if there is no gradient communication to control."""
         super().setup(trainer)  # type: ignore[misc]
         strategy: Any = self
-        if trainer.world_size > 1 and not can_control(strategy.model):
+        fitting = trainer.state.fn == TrainerFn.FITTING  # Lightning wraps the model in DDP only to fit
+        if fitting and trainer.world_size > 1 and not can_control(strategy.model):
             rank_zero_warn(
                 f"{type(self).__name__}: the model is neither wrapped in DDP/FSDP nor has `fully_shard` applied"
                 " (in `configure_model`), so there is no gradient communication to control"
@@ -145,7 +169,12 @@ class AccumulationStrategyMixin:
         """Remember whether this backward's gradient reduction was skipped."""
         super().post_backward(closure_loss)  # type: ignore[misc]
         strategy: Any = self
-        self._reduction_skipped = self._sync_blocked and self._gradient_sync == "last" and can_control(strategy.model)
+        self._reduction_skipped = (
+            self._sync_blocked
+            and self._gradient_sync == "last"
+            and strategy.world_size > 1
+            and can_control(strategy.model)
+        )
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Step, after checking that the gradients were reduced (the closure runs the window's last backward).
@@ -153,14 +182,17 @@ class AccumulationStrategyMixin:
         Raises:
             RuntimeError: If the latest backward skipped its gradient reduction.
         """
+        strategy: Any = self
 
         def checked_closure() -> Any:
             result = closure()
-            if self._reduction_skipped:
+            if self._reduction_skipped or (strategy.world_size > 1 and fsdp2_pending_gradients(strategy.model)):
                 raise RuntimeError(
-                    "The optimizer is about to step on gradients whose reduction across ranks was skipped: the last"
-                    " backward ran inside `block_backward_sync()`. In manual optimization, run the window's last"
-                    " micro-step outside it (see lightning_accum.ManualAccumulation)"
+                    "The optimizer is about to step on gradients whose reduction across ranks has not run: the last"
+                    " backward ran inside `block_backward_sync()` (in manual optimization, run the window's last"
+                    " micro-step outside it: see lightning_accum.ManualAccumulation), or, with"
+                    " gradient_sync='reduce_scatter' on HSDP, a sharded unit took no part in the window's last"
+                    " backward (use gradient_sync='last' or 'every')"
                 )
             return result
 

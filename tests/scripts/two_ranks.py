@@ -54,12 +54,24 @@ def make_net() -> nn.Module:
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, shard: bool, manual: ManualAccumulation | None = None) -> None:
+    def __init__(
+        self,
+        shard: bool,
+        manual: ManualAccumulation | None = None,
+        cut_at: tuple[int, int] | None = None,
+        misuse: bool = False,
+    ) -> None:
         super().__init__()
         self.net = make_net()
         self.shard = shard
         self.manual = manual
+        self.cut_at = cut_at
+        self.misuse = misuse
         self.automatic_optimization = manual is None
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        # returning -1 ends the epoch here, leaving the window in progress unfinished
+        return -1 if (self.current_epoch, batch_idx) == self.cut_at else None
 
     def configure_model(self) -> None:
         if self.shard:
@@ -81,7 +93,11 @@ class Regression(pl.LightningModule):
             return self.loss(batch)
         optimizer = self.optimizers()
         with self.manual.micro_step(self) as micro:
-            self.manual_backward(micro.scale(self.loss(batch)))
+            if self.misuse and micro.should_step:  # the window's last backward without its reduction
+                with self.trainer.strategy.block_backward_sync():
+                    self.manual_backward(micro.scale(self.loss(batch)))
+            else:
+                self.manual_backward(micro.scale(self.loss(batch)))
         if micro.should_step:
             optimizer.step()
             optimizer.zero_grad()
@@ -113,6 +129,9 @@ class CountReduceScatters(pl.Callback):
         names = collections.Counter(event.name for event in self.profiler.events())
         self.reduce_scatters = names["c10d::_reduce_scatter_base_"]
         self.all_gathers = names["c10d::_allgather_base_"]
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)
 
 
 def full_weights(module: nn.Module) -> dict[str, list[float]]:
@@ -168,13 +187,19 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         enable_model_summary=False,
         **trainer_args,
     )
-    model = Regression(shard=backend == "fsdp2", manual=manual)
+    model = Regression(
+        shard=backend == "fsdp2", manual=manual, cut_at=options.get("cut_at"), misuse=options.get("misuse", False)
+    )
     if options.get("normalize_by") == "token":
         data: Any = DictDataset(make_tokens(NUM_SAMPLES))
     else:
         data = TensorDataset(*make_data(options.get("num_samples", NUM_SAMPLES)))
-    trainer.fit(model, DataLoader(data, batch_size=MICRO_BATCH))
-    record: dict[str, Any] = {
+    record: dict[str, Any] = {}
+    try:
+        trainer.fit(model, DataLoader(data, batch_size=MICRO_BATCH))
+    except RuntimeError as error:  # the same check fails on every rank, so no rank is left waiting
+        record["raised"] = str(error)
+    record |= {
         "optimizer_steps": trainer.global_step,
         "micro_steps": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
         "world_size": trainer.world_size,
@@ -200,6 +225,12 @@ CONFIGS = {
     "stock_k4": {"mode": "stock", "factor": 4},
     "last_k3": {"mode": "ours", "scheduling": {0: 3}},
     "every_k3": {"mode": "ours", "scheduling": {0: 3}, "gradient_sync": "every"},
+    "reduce_scatter_k3": {"mode": "ours", "scheduling": {0: 3}, "gradient_sync": "reduce_scatter"},
+    # epoch 0 ends at batch 4, one micro-step into its second window: that window is dropped with its gradients
+    "last_cut": {"mode": "ours", "scheduling": {0: 3}, "cut_at": (0, 4)},
+    "manual_cut": {"mode": "manual", "factor": 3, "cut_at": (0, 4)},
+    # last: a manual training_step that runs its window's last backward without the reduction must not step
+    "misuse_last_step": {"mode": "manual", "factor": 3, "misuse": True},
     "last_step_schedule": {"mode": "ours", "scheduling": {0: 2, 3: 4}, "unit": "step"},
     "manual_k3": {"mode": "manual", "factor": 3},
     # 30 samples a rank: micro-batches 4 x 7 and a last one of 2, windows 3 3 2

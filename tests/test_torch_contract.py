@@ -1,0 +1,73 @@
+"""The torch-private FSDP2 state that lightning_accum/sync.py reads and clears (torch 2.13).
+
+If these fail after a torch upgrade, ``fsdp2_pending_gradients`` and ``drop_fsdp2_pending_gradients`` must be
+revisited: an abandoned window's gradients would leak into the next one, or a step on unreduced gradients would go
+unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from lightning_accum.sync import drop_fsdp2_pending_gradients, fsdp2_pending_gradients, skip_gradient_sync
+
+
+@pytest.fixture
+def one_rank_mesh():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29671")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(mesh) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    fully_shard(net[0], mesh=mesh)
+    fully_shard(net[2], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _grads(net: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.full_tensor().clone() for p in net.parameters()]
+
+
+def test_skipped_reductions_are_pending_until_a_synced_backward(one_rank_mesh):
+    net = _sharded(one_rank_mesh)
+    x = torch.randn(6, 3)
+    assert not fsdp2_pending_gradients(net)
+    with skip_gradient_sync(net, "last"):
+        net(x[:3]).sum().backward()
+    assert fsdp2_pending_gradients(net)
+    net(x[3:]).sum().backward()
+    assert not fsdp2_pending_gradients(net)
+
+    reference = _sharded(one_rank_mesh)
+    reference(x).sum().backward()  # the two halves, accumulated
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_grads(net), _grads(reference), strict=True))
+
+
+def test_dropping_pending_gradients_forgets_the_abandoned_micro_steps(one_rank_mesh):
+    net = _sharded(one_rank_mesh)
+    x = torch.randn(6, 3)
+    with skip_gradient_sync(net, "last"):
+        net(x[:3]).sum().backward()  # a window that will never step
+    drop_fsdp2_pending_gradients(net)
+    assert not fsdp2_pending_gradients(net)
+    net.zero_grad(set_to_none=True)
+    net(x[3:]).sum().backward()
+
+    reference = _sharded(one_rank_mesh)
+    reference(x[3:]).sum().backward()  # only the new window
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_grads(net), _grads(reference), strict=True))
