@@ -16,14 +16,16 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
+from lightning_accum.adaptive import AdaptiveFactor
 from lightning_accum.items import check_normalize_by, make_counter
 from lightning_accum.monitor import StepRecord, memory_metrics, step_metrics, summary_text, tensorboard_layout
+from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale
 from lightning_accum.schedule import (
     BatchSizeRamp,
@@ -87,6 +89,23 @@ class AccumulationScheduler(Callback):
         ignore_index: The label value that bears no loss; every other label counts as one token.
         count_items: A function ``batch -> int or tensor`` that counts a micro-batch's items, for batches the two
             rules above do not cover (it replaces them for ``"sample"`` and ``"token"``).
+        noise_scale: Estimate the gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (McCandlish et al. 2018), the
+            batch size beyond which a larger batch buys little, from the micro-batch gradients accumulation already
+            computes, and log it as ``accum/noise_scale`` (in samples, or in tokens under ``normalize_by="token"``)
+            with ``accum/noise_grad_sq`` and ``accum/noise_trace``. Parameter hooks read each micro-batch's gradient
+            as backward produces it; no gradient is copied. Under DDP the small batch is one rank's micro-batch and
+            the big batch the global window. Not available with FSDP, whose hooks see only shards.
+        noise_scale_decay: Decay of the moving averages that smooth the two estimates, in ``[0, 1)``.
+        adaptive: Grow the factor when the measured noise scale says a larger batch pays (needs ``noise_scale``):
+            every ``adaptive_interval`` optimizer steps, rank zero checks whether ``adaptive_target x noise scale``
+            has reached twice the effective batch on ``adaptive_patience`` consecutive checks, and if so the factor
+            doubles (never above ``adaptive_max_factor``, never down), for every rank alike (the decision is
+            broadcast). The learning rate follows by ``lr_scaling``. The factor is then the larger of the schedule's
+            and the adaptive one, and :func:`estimated_stepping_batches` becomes an upper bound.
+        adaptive_target: The wanted effective batch as a multiple of the noise scale.
+        adaptive_max_factor: The largest factor adaptive growth may reach.
+        adaptive_interval: Optimizer steps between two adaptive checks.
+        adaptive_patience: Consecutive checks that must call for growth before the factor doubles.
         log_metrics: Log the ``accum/...`` metrics (see :mod:`lightning_accum.monitor`) once per optimizer step
             through every logger, with a dashboard and a summary for TensorBoard, and show the factor and effective
             batch in the progress bar.
@@ -126,9 +145,32 @@ class AccumulationScheduler(Callback):
         token_key: str | int = "labels",
         ignore_index: int = -100,
         count_items: Callable[[Any], Any] | None = None,
+        noise_scale: bool = False,
+        noise_scale_decay: float = 0.95,
+        adaptive: bool = False,
+        adaptive_target: float = 1.0,
+        adaptive_max_factor: int = 64,
+        adaptive_interval: int = 50,
+        adaptive_patience: int = 2,
         log_metrics: bool = True,
     ) -> None:
         super().__init__()
+        policy = AdaptiveFactor(adaptive_target, adaptive_max_factor, adaptive_interval, adaptive_patience)
+        if not isinstance(adaptive, bool):
+            raise TypeError(f"`adaptive` must be a bool, got {adaptive!r}")
+        if adaptive and noise_scale is not True:
+            raise ValueError(
+                f"`adaptive=True` grows the factor from the measured noise scale: set noise_scale=True as well (got"
+                f" noise_scale={noise_scale!r})"
+            )
+        self._adaptive = policy if adaptive else None
+        self._adaptive_factor = 0  # 0 until adaptive growth raises the factor above the schedule's
+        self._adaptive_checked_at = -1
+        if not isinstance(noise_scale, bool):
+            raise TypeError(f"`noise_scale` must be a bool, got {noise_scale!r}")
+        NoiseScaleEstimator(noise_scale_decay)  # validates the decay even when the estimate is off
+        self._noise = NoiseScaleEstimator(noise_scale_decay) if noise_scale else None
+        self._noise_decay = noise_scale_decay
         self._normalize_by = check_normalize_by(normalize_by)
         if not isinstance(token_key, (str, int)) or isinstance(token_key, bool):
             raise TypeError(f"`token_key` must be a str (a mapping key) or an int (a position), got {token_key!r}")
@@ -177,6 +219,11 @@ class AccumulationScheduler(Callback):
         self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
         self._items_per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
         self._last_window_items = 0.0  # all ranks, for logging
+        self._noise_hooks: list[Any] = []
+        self._micro_sq: torch.Tensor | None = None  # squared norm of the micro-batch gradient in progress
+        self._micro_unscale = 1.0  # turns the hooked gradient into the gradient of the micro-batch's mean loss
+        self._small_sqs: list[torch.Tensor] = []  # this window's micro-batch gradients' squared norms
+        self._small_items: list[Any] = []
 
     @staticmethod
     def _make_ramp(
@@ -247,8 +294,16 @@ class AccumulationScheduler(Callback):
                 " `training_step(self, dataloader_iter)` hides the batch from callbacks: use `training_step(self,"
                 " batch, batch_idx)` or normalize_by='micro_batch'"
             )
+        if self._noise is not None and isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy)):
+            raise ValueError(
+                f"`noise_scale=True` reads each micro-batch's full gradient, which {type(trainer.strategy).__name__}"
+                " shards: use it with a single device or DDP, or set noise_scale=False"
+            )
         self._items_per_micro_batch = None
         if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
+            if self._noise is not None:
+                self._noise = NoiseScaleEstimator(self._noise_decay)
+            self._adaptive_factor, self._adaptive_checked_at = 0, -1
             self._samples_seen = self._micro_steps = 0
             self._window = Window()
             self._warmup = ScaleWarmup(steps=self._warmup.steps)
@@ -274,9 +329,15 @@ class AccumulationScheduler(Callback):
         self._schedule = self._build_schedule(trainer, self._resolved_micro_batch_size)
         self._base = self._resolve_base_batch_size(trainer)
         self._scaled_steps = [ScaledStep(optimizer, self._current_scale(trainer)) for optimizer in trainer.optimizers]
+        if self._noise is not None:
+            self._noise_hooks = [
+                param.register_hook(self._add_micro_sq) for param in pl_module.parameters() if param.requires_grad
+            ]
         if self._schedule.max_factor > 1:
+            steps = self.estimated_stepping_batches(trainer)
+            bound = " at most" if self._adaptive is not None else ""
             rank_zero_info(
-                f"AccumulationScheduler: this run takes {self.estimated_stepping_batches(trainer)} optimizer steps;"
+                f"AccumulationScheduler: this run takes{bound} {steps} optimizer steps;"
                 " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
                 " `lightning_accum.estimated_stepping_batches(trainer)`."
             )
@@ -309,6 +370,8 @@ class AccumulationScheduler(Callback):
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         if self._window.closed:
+            if self._adaptive is not None:
+                self._check_adaptive(trainer)
             self._factor = self._factor_now(trainer)
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
             self._window.open(int(min(self._factor, trainer.num_training_batches - batch_idx)))
@@ -324,8 +387,37 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._count_items is None:
-            return
+        if self._count_items is not None:
+            self._weigh_loss(trainer, loss)
+        if self._noise is not None:
+            self._micro_sq = torch.zeros((), device=loss.device)
+            # the hooked gradient is that of the loss Lightning backpropagates: the micro-batch's mean loss divided
+            # by the window's size, or re-weighted by its items, and multiplied by the AMP loss scale
+            if self._count_items is None:
+                unscale = float(self._window.size)
+            else:
+                assert self._items_per_micro_batch is not None
+                unscale = self._items_per_micro_batch / max(float(torch.as_tensor(self._items).sum()), 1.0)
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            if scaler is not None and scaler.is_enabled():
+                unscale /= scaler.get_scale()
+            self._micro_unscale = unscale
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._noise is not None and self._micro_sq is not None:
+            self._small_sqs.append(self._micro_sq * self._micro_unscale**2)
+            if self._count_items is not None:
+                self._small_items.append(self._items)
+            self._micro_sq = None
+
+    def _add_micro_sq(self, grad: torch.Tensor) -> None:
+        if self._micro_sq is not None:
+            with torch.no_grad():
+                flat = grad.detach().reshape(-1)
+                self._micro_sq += torch.dot(flat, flat).float()  # one fused pass, no temporary
+
+    def _weigh_loss(self, trainer: pl.Trainer, loss: torch.Tensor) -> None:
         items = self._items
         if self._items_per_micro_batch is None:
             # once per fit: a scale common to all ranks, so that weighted losses stay near the unweighted ones
@@ -343,14 +435,14 @@ class AccumulationScheduler(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._count_items is not None:
             self._normalize_by_items(trainer, pl_module, optimizer)
-            return
-        correction = self._window.gradient_correction
-        if correction != 1.0:  # only an epoch of unknown length ends a window early
+        elif self._window.gradient_correction != 1.0:  # only an epoch of unknown length ends a window early
             with torch.no_grad():
                 for group in optimizer.param_groups:
                     for param in group["params"]:
                         if param.grad is not None:
-                            param.grad.mul_(correction)
+                            param.grad.mul_(self._window.gradient_correction)
+        if self._noise is not None and optimizer is trainer.optimizers[0]:
+            self._update_noise_scale(trainer, optimizer)
 
     @override
     def on_train_batch_end(
@@ -385,6 +477,12 @@ class AccumulationScheduler(Callback):
             "micro_steps": self._micro_steps,
             "window": self._window.state_dict(),
             "lr_warmup": self._warmup.state_dict(),
+            **({"noise_scale": self._noise.state_dict()} if self._noise is not None else {}),
+            **(
+                {"adaptive": {"factor": self._adaptive_factor, **self._adaptive.state_dict()}}
+                if self._adaptive is not None
+                else {}
+            ),
         }
 
     @override
@@ -392,6 +490,11 @@ class AccumulationScheduler(Callback):
         self._samples_seen = int(state_dict.get("samples_seen", 0))
         self._micro_steps = int(state_dict.get("micro_steps", 0))
         self._warmup.load_state_dict(state_dict.get("lr_warmup", {}))
+        if self._noise is not None:
+            self._noise.load_state_dict(state_dict.get("noise_scale", {}))
+        if self._adaptive is not None:
+            self._adaptive_factor = int(state_dict.get("adaptive", {}).get("factor", 0))
+            self._adaptive.load_state_dict(state_dict.get("adaptive", {}))
         self._window.load_state_dict(state_dict.get("window", {}))
         if not self._window.closed:
             rank_zero_warn(
@@ -477,8 +580,57 @@ class AccumulationScheduler(Callback):
         metrics = {**step_metrics(record), **memory_metrics(pl_module.device)}
         if self._count_items is not None:
             metrics[f"accum/window_{self._normalize_by}s"] = self._last_window_items
+        estimate = self._noise.estimate if self._noise is not None else None
+        if estimate is not None and estimate.noise_scale is not None:
+            metrics |= {
+                "accum/noise_scale": estimate.noise_scale,
+                "accum/noise_grad_sq": estimate.grad_sq,
+                "accum/noise_trace": estimate.trace,
+            }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _check_adaptive(self, trainer: pl.Trainer) -> None:
+        """At a window boundary: maybe double the factor, as rank zero decides from its noise-scale estimate."""
+        assert self._adaptive is not None
+        assert self._noise is not None
+        step = trainer.global_step
+        if not self._adaptive.due(step) or step == self._adaptive_checked_at:
+            return
+        self._adaptive_checked_at = step
+        current = self._factor_now(trainer)
+        effective = (
+            self._last_window_items
+            if self._normalize_by == "token"
+            else float(self._effective_batch_size(current, trainer.world_size))
+        )
+        proposal = current
+        if trainer.is_global_zero:
+            proposal = self._adaptive.propose(current, effective, self._noise.estimate.noise_scale)
+        proposal = int(trainer.strategy.broadcast(proposal, src=0))  # every rank takes rank zero's decision
+        if proposal > current:
+            self._adaptive_factor = proposal
+            rank_zero_info(
+                f"AccumulationScheduler: the noise scale ({self._noise.estimate.noise_scale or 0:.4g}) calls for a"
+                f" larger batch: factor {current} -> {proposal} from optimizer step {step}"
+            )
+
+    def _update_noise_scale(self, trainer: pl.Trainer, optimizer: Any) -> None:
+        """Fold this step's micro-batch gradients and their (reduced, normalized) mean into the noise scale."""
+        assert self._noise is not None
+        small, self._small_sqs = self._small_sqs, []
+        items, self._small_items = self._small_items, []
+        grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+        if not small or not grads:
+            return
+        big_sq = torch.stack([torch.dot(g.detach().reshape(-1), g.detach().reshape(-1)).float() for g in grads]).sum()
+        if self._count_items is not None:
+            small_batch = float(torch.stack([torch.as_tensor(n, dtype=torch.float32) for n in items]).mean())
+        else:
+            small_batch = float(self._resolved_micro_batch_size or 1)
+        small_sq = torch.stack(small).mean()
+        values = torch.stack([small_sq, big_sq.to(small_sq.device)]).tolist()  # one host sync per optimizer step
+        self._noise.update(values[0], values[1], small_batch, num_small=len(small) * trainer.world_size)
 
     def _window_loss_value(self) -> float | None:
         """Rank zero's mean training loss over the window: per micro-batch, or per sample or token."""
@@ -492,12 +644,15 @@ class AccumulationScheduler(Callback):
     def _factor_now(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"
         position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": self._samples_seen}
-        return self._schedule.factor_at(position[self._schedule.unit])
+        return max(self._schedule.factor_at(position[self._schedule.unit]), self._adaptive_factor)
 
     def _release(self, trainer: pl.Trainer) -> None:
         for scaled in self._scaled_steps:
             scaled.remove()
         self._scaled_steps = []
+        for hook in self._noise_hooks:
+            hook.remove()
+        self._noise_hooks, self._small_sqs, self._small_items, self._micro_sq = [], [], [], None
         if isinstance(trainer.strategy, AccumulationStrategyMixin):
             trainer.strategy.connect_window(None)
         if self._loop is not None:

@@ -16,6 +16,8 @@ and never reads Trainer state; the callback decides when to log and through whic
 | ``accum/micro_steps`` | micro-batches trained on (one rank) |
 | ``accum/window_loss`` | mean training loss over the window's micro-batches (rank zero's) |
 | ``accum/samples_per_second`` | effective batch / wall time of the window |
+| ``accum/noise_scale`` | with ``noise_scale=True``: B_simple = tr(Sigma) / abs(G)^2, samples (or tokens) |
+| ``accum/noise_grad_sq``, ``accum/noise_trace`` | its two smoothed estimates: abs(G)^2 and tr(Sigma) |
 | ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
   window, all ranks |
 | ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
@@ -124,6 +126,13 @@ def tensorboard_layout() -> dict[str, dict[str, list]]:
         },
         "memory": {
             "memory (MiB)": ["Multiline", [r"accum/memory_.*"]],
+        },
+        "noise scale": {
+            "critical batch (noise scale) and effective batch": [
+                "Multiline",
+                ["accum/noise_scale", "accum/effective_batch_size"],
+            ],
+            "|G|^2 and tr(Sigma)": ["Multiline", ["accum/noise_grad_sq", "accum/noise_trace"]],
         },
     }
 

@@ -127,6 +127,39 @@ def test_a_step_on_unreduced_gradients_raises_before_the_weights_change(backend,
     assert _records(request.getfixturevalue(backend), "misuse_last_step")[0]["weights"] == untouched
 
 
+def test_the_noise_scale_under_ddp_converges_to_the_exact_value(ddp):
+    from torch.func import functional_call, grad, vmap
+
+    x, y = make_data(1024)
+    net = make_net()
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def loss(params, xi, yi):
+        return nn.functional.mse_loss(functional_call(net, params, (xi[None],)), yi[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
+    exact = ((flat - flat.mean(0)).pow(2).sum(1).mean() / flat.mean(0).pow(2).sum()).item()
+    rank0, _ = _records(ddp, "noise_frozen_k4")
+    # small batch: one rank's micro-batch of 4; big batch: 4 micro-steps x 2 ranks x 4 = 32 samples
+    assert rank0["noise_scale"] == pytest.approx(exact, rel=0.25)
+
+
+def test_adaptive_growth_is_decided_once_for_every_rank(ddp):
+    rank0, rank1 = _records(ddp, "adaptive_k2")
+    assert rank0["adaptive_factor"] >= 4  # it grew from 2
+    assert rank0["adaptive_factor"] == rank1["adaptive_factor"]
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"]
+    assert rank0["allreduce_buckets"] == rank1["allreduce_buckets"]  # the same windows, so the same reductions
+
+
+def test_the_noise_scale_refuses_fsdp2_before_training(fsdp2):
+    for name in ("noise_frozen_k4", "adaptive_k2"):
+        for record in _records(fsdp2, name):
+            assert "noise_scale=True" in record["raised"]
+            assert record["optimizer_steps"] == 0
+
+
 @pytest.mark.parametrize("name", list(WINDOWS))
 def test_ddp_matches_the_big_batch_reference(ddp, name):
     rank0, rank1 = _records(ddp, name)

@@ -67,6 +67,7 @@ class Regression(pl.LightningModule):
         self.manual = manual
         self.cut_at = cut_at
         self.misuse = misuse
+        self.lr = LR
         self.automatic_optimization = manual is None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
@@ -104,7 +105,7 @@ class Regression(pl.LightningModule):
         return None
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def counting_allreduce_hook(process_group, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations)
@@ -131,7 +132,10 @@ class CountReduceScatters(pl.Callback):
         self.all_gathers = names["c10d::_allgather_base_"]
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+        if hasattr(self, "profiler"):
+            self.on_train_end(trainer, pl_module)
+        else:  # raised before training started
+            self.reduce_scatters = self.all_gathers = 0
 
 
 def full_weights(module: nn.Module) -> dict[str, list[float]]:
@@ -155,6 +159,11 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
                 options["scheduling"],
                 unit=options.get("unit", "epoch"),
                 normalize_by=options.get("normalize_by", "micro_batch"),
+                noise_scale=options.get("noise_scale", False),
+                noise_scale_decay=options.get("noise_scale_decay", 0.99),
+                adaptive=options.get("adaptive", False),
+                adaptive_interval=5,
+                adaptive_max_factor=32,
             )
         )
     sync = options.get("gradient_sync", "last")
@@ -179,7 +188,7 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         accelerator="cuda" if backend == "fsdp1" else "cpu",
         devices=2,
         strategy=strategy,
-        max_epochs=2,
+        max_epochs=options.get("epochs", 2),
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -190,6 +199,7 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
     model = Regression(
         shard=backend == "fsdp2", manual=manual, cut_at=options.get("cut_at"), misuse=options.get("misuse", False)
     )
+    model.lr = options.get("lr", LR)
     if options.get("normalize_by") == "token":
         data: Any = DictDataset(make_tokens(NUM_SAMPLES))
     else:
@@ -197,13 +207,18 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
     record: dict[str, Any] = {}
     try:
         trainer.fit(model, DataLoader(data, batch_size=MICRO_BATCH))
-    except RuntimeError as error:  # the same check fails on every rank, so no rank is left waiting
+    except (RuntimeError, ValueError) as error:  # the same check fails on every rank: no rank is left waiting
         record["raised"] = str(error)
     record |= {
         "optimizer_steps": trainer.global_step,
         "micro_steps": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
         "world_size": trainer.world_size,
     }
+    scheduler = next((c for c in trainer.callbacks if isinstance(c, AccumulationScheduler)), None)
+    if scheduler is not None and scheduler._noise is not None:
+        record["noise_scale"] = scheduler._noise.estimate.noise_scale
+    if scheduler is not None and scheduler._adaptive is not None:
+        record["adaptive_factor"] = scheduler._adaptive_factor
     if backend == "ddp":
         record["allreduce_buckets"] = list(ALLREDUCE_BUCKETS)
     else:
@@ -229,6 +244,26 @@ CONFIGS = {
     # epoch 0 ends at batch 4, one micro-step into its second window: that window is dropped with its gradients
     "last_cut": {"mode": "ours", "scheduling": {0: 3}, "cut_at": (0, 4)},
     "manual_cut": {"mode": "manual", "factor": 3, "cut_at": (0, 4)},
+    # a frozen model (lr 0) on 1024 samples: the noise-scale estimate against the exact value
+    "noise_frozen_k4": {
+        "mode": "ours",
+        "scheduling": {0: 4},
+        "noise_scale": True,
+        "lr": 0.0,
+        "num_samples": 1024,
+        "epochs": 3,
+    },
+    # the noise scale grows as the model converges: the factor grows, by rank zero's decision on every rank
+    "adaptive_k2": {
+        "mode": "ours",
+        "scheduling": {0: 2},
+        "noise_scale": True,
+        "noise_scale_decay": 0.9,
+        "adaptive": True,
+        "lr": 0.05,
+        "num_samples": 512,
+        "epochs": 6,
+    },
     # last: a manual training_step that runs its window's last backward without the reduction must not step
     "misuse_last_step": {"mode": "manual", "factor": 3, "misuse": True},
     "last_step_schedule": {"mode": "ours", "scheduling": {0: 2, 3: 4}, "unit": "step"},

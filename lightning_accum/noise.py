@@ -1,0 +1,101 @@
+"""The gradient noise scale from the micro-batch gradients that accumulation computes anyway.
+
+McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training" (arXiv:1812.06162): the simple
+noise scale ``B_simple = tr(Sigma) / |G|^2`` estimates the critical batch size, beyond which a larger batch buys
+little. With ``n`` micro-gradients ``g_i`` of batch ``b`` and their mean ``g`` (batch ``n b``), let
+``S_small = mean |g_i|^2`` and ``S_big = |g|^2``. Their Appendix A.1 gives unbiased estimates
+
+    |G|^2    = (n S_big - S_small) / (n - 1)
+    tr(Sigma) = b n (S_small - S_big) / (n - 1)
+
+Each is noisy on one step, so each is smoothed by its own bias-corrected exponential moving average, and the noise
+scale is the ratio of the two averages (the ratio of averages, not the average of ratios, as the paper advises).
+
+Pure: no Lightning import; :class:`NoiseScaleEstimator` takes the two squared norms per optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NoiseScaleEstimate:
+    """The smoothed estimates after an update.
+
+    Attributes:
+        grad_sq: ``|G|^2``, the squared norm of the true gradient.
+        trace: ``tr(Sigma)``, the per-sample gradient variance summed over parameters, in the batch's unit.
+        noise_scale: ``trace / grad_sq`` (the critical batch, in samples or tokens); ``None`` while the smoothed
+            ``grad_sq`` is not positive.
+    """
+
+    grad_sq: float
+    trace: float
+    noise_scale: float | None
+
+
+class NoiseScaleEstimator:
+    """Bias-corrected moving averages of ``|G|^2`` and ``tr(Sigma)``, one update per optimizer step.
+
+    Args:
+        decay: The moving averages' decay per update, in ``[0, 1)``; ``0`` keeps only the latest step.
+
+    Raises:
+        ValueError: If ``decay`` is outside ``[0, 1)``.
+
+    Example::
+
+        >>> estimator = NoiseScaleEstimator(decay=0.0)
+        >>> # 4 micro-batches of 8: mean squared micro-gradient norm 5.0, squared norm of their mean 2.0
+        >>> estimate = estimator.update(small_sq=5.0, big_sq=2.0, small_batch=8, num_small=4)
+        >>> estimate.grad_sq, estimate.trace, estimate.noise_scale
+        (1.0, 32.0, 32.0)
+    """
+
+    def __init__(self, decay: float = 0.95) -> None:
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
+            raise ValueError(f"`noise_scale_decay` must be a number in [0, 1), got {decay!r}")
+        self.decay = float(decay)
+        self._grad_sq = 0.0
+        self._trace = 0.0
+        self._updates = 0
+
+    def update(self, small_sq: float, big_sq: float, small_batch: float, num_small: int) -> NoiseScaleEstimate | None:
+        """Fold in one optimizer step.
+
+        Args:
+            small_sq: Mean squared norm of the micro-batch gradients (each the gradient of its micro-batch's mean).
+            big_sq: Squared norm of the step's gradient, the mean of ``num_small`` micro-batch gradients.
+            small_batch: Items (samples or tokens) in one micro-batch.
+            num_small: Micro-batch gradients averaged into the step's gradient (micro-steps x ranks).
+
+        Returns:
+            The smoothed estimates, or ``None`` when a step of one micro-batch carries no information.
+        """
+        if num_small < 2:
+            return None
+        n = float(num_small)
+        grad_sq = (n * big_sq - small_sq) / (n - 1.0)
+        trace = small_batch * n * (small_sq - big_sq) / (n - 1.0)
+        self._grad_sq = self.decay * self._grad_sq + (1.0 - self.decay) * grad_sq
+        self._trace = self.decay * self._trace + (1.0 - self.decay) * trace
+        self._updates += 1
+        return self.estimate
+
+    @property
+    def estimate(self) -> NoiseScaleEstimate:
+        """The current bias-corrected estimates."""
+        correction = 1.0 - self.decay**self._updates if self._updates else 1.0
+        grad_sq, trace = self._grad_sq / correction, self._trace / correction
+        return NoiseScaleEstimate(grad_sq, trace, trace / grad_sq if grad_sq > 0 else None)
+
+    def state_dict(self) -> dict[str, float]:
+        """The moving averages, for checkpoints."""
+        return {"grad_sq": self._grad_sq, "trace": self._trace, "updates": float(self._updates)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._grad_sq = float(state.get("grad_sq", 0.0))
+        self._trace = float(state.get("trace", 0.0))
+        self._updates = int(state.get("updates", 0))

@@ -1,0 +1,65 @@
+"""The gradient noise scale: the estimator's algebra, and the logged estimate against the exact B_simple."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler
+from lightning_accum.noise import NoiseScaleEstimator
+from tests.helpers import RegressionModule, make_data, make_net, trainer
+
+
+def exact_noise_scale(x: torch.Tensor, y: torch.Tensor) -> float:
+    """B_simple = tr(Sigma) / |G|^2 from every per-sample gradient of the dataset (plain torch.func)."""
+    net = make_net()
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def loss(params, xi, yi):
+        return nn.functional.mse_loss(functional_call(net, params, (xi[None],)), yi[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
+    mean = flat.mean(0)
+    trace = (flat - mean).pow(2).sum(1).mean()
+    return (trace / mean.pow(2).sum()).item()
+
+
+def test_the_estimator_is_unbiased_on_synthetic_gradients():
+    # micro-gradients g_i = G + noise with known |G|^2 and per-sample variance: the averages converge to them
+    generator = torch.Generator().manual_seed(0)
+    true_g, per_sample_var, b, n = torch.tensor([3.0, -1.0, 0.5]), 40.0, 8, 4
+    estimator = NoiseScaleEstimator(decay=0.999)
+    for _ in range(4000):
+        micro = true_g + torch.randn(n, 3, generator=generator) * (per_sample_var / 3 / b) ** 0.5
+        estimator.update(micro.pow(2).sum(1).mean().item(), micro.mean(0).pow(2).sum().item(), b, n)
+    estimate = estimator.estimate
+    assert estimate.grad_sq == pytest.approx(true_g.pow(2).sum().item(), rel=0.05)
+    assert estimate.trace == pytest.approx(per_sample_var, rel=0.05)
+
+
+def test_the_estimator_needs_two_micro_gradients_and_a_valid_decay():
+    assert NoiseScaleEstimator().update(1.0, 1.0, 8, num_small=1) is None
+    with pytest.raises(ValueError, match=r"`noise_scale_decay` must be a number in \[0, 1\), got 1.0"):
+        AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_decay=1.0)
+    with pytest.raises(TypeError, match="`noise_scale` must be a bool"):
+        AccumulationScheduler({0: 2}, noise_scale="yes")
+
+
+def test_the_logged_noise_scale_converges_to_the_exact_value_on_a_frozen_model(tmp_path):
+    x, y = make_data(2048, seed=3)
+    exact = exact_noise_scale(x, y)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    module = RegressionModule(lr=0.0)  # frozen: every step samples the same gradient distribution
+    callback = AccumulationScheduler({0: 8}, noise_scale=True, noise_scale_decay=0.99)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    trainer([callback], max_epochs=6, logger=logger, log_every_n_steps=1).fit(module, loader)
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [float(row.split(",")[header.index("accum/noise_scale")]) for row in rows[1:]]
+    assert len(logged) == 6 * 2048 // 64
+    assert logged[-1] == pytest.approx(exact, rel=0.25)
