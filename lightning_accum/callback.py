@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
 from lightning_accum.adaptive import AdaptiveFactor
-from lightning_accum.items import check_normalize_by, make_counter
+from lightning_accum.items import check_normalize_by, count_samples, make_counter
 from lightning_accum.monitor import StepRecord, memory_metrics, step_metrics, summary_text, tensorboard_layout
 from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale
@@ -166,6 +166,7 @@ class AccumulationScheduler(Callback):
         self._adaptive = policy if adaptive else None
         self._adaptive_factor = 0  # 0 until adaptive growth raises the factor above the schedule's
         self._adaptive_checked_at = -1
+        self._restored_base: float | None = None
         if not isinstance(noise_scale, bool):
             raise TypeError(f"`noise_scale` must be a bool, got {noise_scale!r}")
         NoiseScaleEstimator(noise_scale_decay)  # validates the decay even when the estimate is off
@@ -219,7 +220,10 @@ class AccumulationScheduler(Callback):
         self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
         self._items_per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
         self._last_window_items = 0.0  # all ranks, for logging
-        self._noise_hooks: list[Any] = []
+        self._noise_hooks: dict[int, Any] = {}  # id(param) -> hook handle
+        self._noise_params: list[torch.Tensor] = []  # the parameters hooked when the window opened
+        self._noise_batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
+        self._micro_items: Any = 1  # the micro-batch in progress, as the noise scale counts it
         self._micro_sq: torch.Tensor | None = None  # squared norm of the micro-batch gradient in progress
         self._micro_unscale = 1.0  # turns the hooked gradient into the gradient of the micro-batch's mean loss
         self._small_sqs: list[torch.Tensor] = []  # this window's micro-batch gradients' squared norms
@@ -300,6 +304,7 @@ class AccumulationScheduler(Callback):
                 " shards: use it with a single device or DDP, or set noise_scale=False"
             )
         self._items_per_micro_batch = None
+        self._restored_base = None  # a checkpoint restored after setup sets it again
         if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
             if self._noise is not None:
                 self._noise = NoiseScaleEstimator(self._noise_decay)
@@ -327,12 +332,14 @@ class AccumulationScheduler(Callback):
             _infer_micro_batch_size(trainer, self._micro_batch_size), src=0
         )
         self._schedule = self._build_schedule(trainer, self._resolved_micro_batch_size)
-        self._base = self._resolve_base_batch_size(trainer)
+        # a resumed run keeps the base it started from, so the LR scale continues where it was
+        self._base = self._restored_base if self._restored_base is not None else self._resolve_base_batch_size(trainer)
         self._scaled_steps = [ScaledStep(optimizer, self._current_scale(trainer)) for optimizer in trainer.optimizers]
-        if self._noise is not None:
-            self._noise_hooks = [
-                param.register_hook(self._add_micro_sq) for param in pl_module.parameters() if param.requires_grad
-            ]
+        if self._adaptive is not None and self._factor_now(trainer) == 1 and trainer.world_size == 1:
+            rank_zero_warn(
+                "AccumulationScheduler: adaptive accumulation starts from factor 1 on one process, where a step has a"
+                " single micro-batch gradient and the noise scale cannot be measured: start from a factor of 2"
+            )
         if self._schedule.max_factor > 1:
             steps = self.estimated_stepping_batches(trainer)
             bound = " at most" if self._adaptive is not None else ""
@@ -380,10 +387,14 @@ class AccumulationScheduler(Callback):
             self._warmup.set(lr_scale(self._rule, effective, self._base), step=trainer.global_step)
             self._window_loss, self._window_started = None, time.perf_counter()
             self._window_items = 0
+            if self._noise is not None:
+                self._open_noise_window(pl_module)
         ends_epoch = batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch
         self._window.take(ends_epoch=ends_epoch)
         if self._count_items is not None:
             self._items = self._count_items(batch)
+        if self._noise is not None:
+            self._micro_items = self._items if self._count_items is not None else self._count_samples(batch)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -407,9 +418,23 @@ class AccumulationScheduler(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._noise is not None and self._micro_sq is not None:
             self._small_sqs.append(self._micro_sq * self._micro_unscale**2)
-            if self._count_items is not None:
-                self._small_items.append(self._items)
+            self._small_items.append(self._micro_items)
             self._micro_sq = None
+
+    def _open_noise_window(self, pl_module: pl.LightningModule) -> None:
+        """Start the window's noise bookkeeping; hook parameters that became trainable (an unfrozen backbone)."""
+        self._small_sqs, self._small_items, self._micro_sq = [], [], None  # nothing of a dropped window survives
+        for param in pl_module.parameters():
+            if param.requires_grad and id(param) not in self._noise_hooks:
+                self._noise_hooks[id(param)] = param.register_hook(self._add_micro_sq)
+        # S_big is measured on exactly the parameters whose micro-batch gradients the hooks see
+        self._noise_params = [param for param in pl_module.parameters() if id(param) in self._noise_hooks]
+
+    def _count_samples(self, batch: Any) -> int:
+        try:
+            return count_samples(batch)
+        except ValueError:
+            return self._resolved_micro_batch_size or 1
 
     def _add_micro_sq(self, grad: torch.Tensor) -> None:
         if self._micro_sq is not None:
@@ -477,9 +502,16 @@ class AccumulationScheduler(Callback):
             "micro_steps": self._micro_steps,
             "window": self._window.state_dict(),
             "lr_warmup": self._warmup.state_dict(),
+            "base_batch_size": self._base,
             **({"noise_scale": self._noise.state_dict()} if self._noise is not None else {}),
             **(
-                {"adaptive": {"factor": self._adaptive_factor, **self._adaptive.state_dict()}}
+                {
+                    "adaptive": {
+                        "factor": self._adaptive_factor,
+                        "checked_at": self._adaptive_checked_at,
+                        **self._adaptive.state_dict(),
+                    }
+                }
                 if self._adaptive is not None
                 else {}
             ),
@@ -490,10 +522,13 @@ class AccumulationScheduler(Callback):
         self._samples_seen = int(state_dict.get("samples_seen", 0))
         self._micro_steps = int(state_dict.get("micro_steps", 0))
         self._warmup.load_state_dict(state_dict.get("lr_warmup", {}))
+        if "base_batch_size" in state_dict:
+            self._restored_base = float(state_dict["base_batch_size"])
         if self._noise is not None:
             self._noise.load_state_dict(state_dict.get("noise_scale", {}))
         if self._adaptive is not None:
             self._adaptive_factor = int(state_dict.get("adaptive", {}).get("factor", 0))
+            self._adaptive_checked_at = int(state_dict.get("adaptive", {}).get("checked_at", -1))
             self._adaptive.load_state_dict(state_dict.get("adaptive", {}))
         self._window.load_state_dict(state_dict.get("window", {}))
         if not self._window.closed:
@@ -508,7 +543,8 @@ class AccumulationScheduler(Callback):
 
     def _normalize_by_items(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """Turn the sum of item-weighted gradients into the mean over every item of the window on every rank."""
-        assert self._items_per_micro_batch is not None, "on_before_backward ran for this window"
+        if self._items_per_micro_batch is None:  # no backward yet in this fit (training_step returned None)
+            return
         device = pl_module.device
         dtype = torch.float32 if device.type == "mps" else torch.float64
         local = torch.as_tensor(self._window_items, dtype=dtype, device=device)
@@ -599,11 +635,9 @@ class AccumulationScheduler(Callback):
             return
         self._adaptive_checked_at = step
         current = self._factor_now(trainer)
-        effective = (
-            self._last_window_items
-            if self._normalize_by == "token"
-            else float(self._effective_batch_size(current, trainer.world_size))
-        )
+        # the batch the next windows would have, in the noise scale's own unit (samples or tokens, as measured)
+        big, micro_steps = self._noise_batch if self._noise_batch is not None else (0.0, 1)
+        effective = big * current / micro_steps
         proposal = current
         if trainer.is_global_zero:
             proposal = self._adaptive.propose(current, effective, self._noise.estimate.noise_scale)
@@ -620,17 +654,23 @@ class AccumulationScheduler(Callback):
         assert self._noise is not None
         small, self._small_sqs = self._small_sqs, []
         items, self._small_items = self._small_items, []
-        grads = [param.grad for group in optimizer.param_groups for param in group["params"] if param.grad is not None]
+        grads = [param.grad for param in self._noise_params if param.grad is not None]
         if not small or not grads:
             return
+        sizes = torch.stack([torch.as_tensor(n, dtype=torch.float32).reshape(()).cpu() for n in items])
+        bearing = sizes > 0  # a micro-batch without items (no loss-bearing token) holds no gradient sample
+        if int(bearing.sum()) == 0:
+            return
         big_sq = torch.stack([torch.dot(g.detach().reshape(-1), g.detach().reshape(-1)).float() for g in grads]).sum()
-        if self._count_items is not None:
-            small_batch = float(torch.stack([torch.as_tensor(n, dtype=torch.float32) for n in items]).mean())
-        else:
-            small_batch = float(self._resolved_micro_batch_size or 1)
-        small_sq = torch.stack(small).mean()
+        small_sq = torch.stack(small)[bearing.to(small[0].device)].mean()
         values = torch.stack([small_sq, big_sq.to(small_sq.device)]).tolist()  # one host sync per optimizer step
-        self._noise.update(values[0], values[1], small_batch, num_small=len(small) * trainer.world_size)
+        inverse_small = float((1.0 / sizes[bearing]).mean())
+        if self._count_items is not None:  # the step is the mean over every item of the window on every rank
+            big = self._last_window_items
+        else:  # the step is the mean of the micro-batches' means over every rank
+            big = len(small) * trainer.world_size / inverse_small
+        self._noise.update(values[0], values[1], inverse_small, big)
+        self._noise_batch = (big, len(small))
 
     def _window_loss_value(self) -> float | None:
         """Rank zero's mean training loss over the window: per micro-batch, or per sample or token."""
@@ -650,9 +690,10 @@ class AccumulationScheduler(Callback):
         for scaled in self._scaled_steps:
             scaled.remove()
         self._scaled_steps = []
-        for hook in self._noise_hooks:
+        for hook in self._noise_hooks.values():
             hook.remove()
-        self._noise_hooks, self._small_sqs, self._small_items, self._micro_sq = [], [], [], None
+        self._noise_hooks, self._noise_params, self._small_sqs, self._small_items = {}, [], [], []
+        self._micro_sq = None
         if isinstance(trainer.strategy, AccumulationStrategyMixin):
             trainer.strategy.connect_window(None)
         if self._loop is not None:

@@ -8,6 +8,14 @@ little. With ``n`` micro-gradients ``g_i`` of batch ``b`` and their mean ``g`` (
     |G|^2    = (n S_big - S_small) / (n - 1)
     tr(Sigma) = b n (S_small - S_big) / (n - 1)
 
+Micro-batches of different sizes ``b_i`` (a short last batch, token counts) generalize this: since
+``E|g_i|^2 = |G|^2 + tr(Sigma) / b_i`` and ``E|g|^2 = |G|^2 + tr(Sigma) / B`` for the big batch ``B``,
+
+    tr(Sigma) = (S_small - S_big) / (mean(1 / b_i) - 1 / B)
+    |G|^2    = S_big - tr(Sigma) / B
+
+which is the pair above when every ``b_i = b`` and ``B = n b``.
+
 Each is noisy on one step, so each is smoothed by its own bias-corrected exponential moving average, and the noise
 scale is the ratio of the two averages (the ratio of averages, not the average of ratios, as the paper advises).
 
@@ -16,6 +24,7 @@ Pure: no Lightning import; :class:`NoiseScaleEstimator` takes the two squared no
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -48,7 +57,7 @@ class NoiseScaleEstimator:
 
         >>> estimator = NoiseScaleEstimator(decay=0.0)
         >>> # 4 micro-batches of 8: mean squared micro-gradient norm 5.0, squared norm of their mean 2.0
-        >>> estimate = estimator.update(small_sq=5.0, big_sq=2.0, small_batch=8, num_small=4)
+        >>> estimate = estimator.update(small_sq=5.0, big_sq=2.0, inverse_small_batch=1 / 8, big_batch=32)
         >>> estimate.grad_sq, estimate.trace, estimate.noise_scale
         (1.0, 32.0, 32.0)
     """
@@ -61,23 +70,28 @@ class NoiseScaleEstimator:
         self._trace = 0.0
         self._updates = 0
 
-    def update(self, small_sq: float, big_sq: float, small_batch: float, num_small: int) -> NoiseScaleEstimate | None:
+    def update(
+        self, small_sq: float, big_sq: float, inverse_small_batch: float, big_batch: float
+    ) -> NoiseScaleEstimate | None:
         """Fold in one optimizer step.
 
         Args:
             small_sq: Mean squared norm of the micro-batch gradients (each the gradient of its micro-batch's mean).
-            big_sq: Squared norm of the step's gradient, the mean of ``num_small`` micro-batch gradients.
-            small_batch: Items (samples or tokens) in one micro-batch.
-            num_small: Micro-batch gradients averaged into the step's gradient (micro-steps x ranks).
+            big_sq: Squared norm of the step's gradient, the gradient of the mean over the big batch.
+            inverse_small_batch: ``mean(1 / b_i)`` over the micro-batches, ``b_i`` their items (samples or tokens).
+            big_batch: Items in the big batch.
 
         Returns:
-            The smoothed estimates, or ``None`` when a step of one micro-batch carries no information.
+            The smoothed estimates, or ``None`` when the step carries no information (one micro-batch only) or a
+            non-finite value (a step that AMP's loss scaler skips), which is left out.
         """
-        if num_small < 2:
+        if not (math.isfinite(small_sq) and math.isfinite(big_sq)) or big_batch <= 0:
             return None
-        n = float(num_small)
-        grad_sq = (n * big_sq - small_sq) / (n - 1.0)
-        trace = small_batch * n * (small_sq - big_sq) / (n - 1.0)
+        spread = inverse_small_batch - 1.0 / big_batch
+        if spread <= 1e-12 * inverse_small_batch:
+            return None
+        trace = (small_sq - big_sq) / spread
+        grad_sq = big_sq - trace / big_batch
         self._grad_sq = self.decay * self._grad_sq + (1.0 - self.decay) * grad_sq
         self._trace = self.decay * self._trace + (1.0 - self.decay) * trace
         self._updates += 1

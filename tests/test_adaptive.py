@@ -75,3 +75,17 @@ def test_the_adaptive_factor_survives_a_checkpoint():
     restored = AccumulationScheduler({0: 2}, noise_scale=True, adaptive=True)
     restored.load_state_dict(callback.state_dict())
     assert restored._adaptive_factor == 8
+
+
+def test_adaptive_compares_the_noise_scale_with_the_batch_in_the_same_unit():
+    # micro-batches of 8 from an iterable without a batch_size: the micro-batch size is unknown to Lightning, but the
+    # noise scale (about 10.7 samples on this frozen model) must be compared with 16 samples, not 2 micro-batches
+    from tests.helpers import BatchStream
+
+    x, y = make_data(2048, seed=3)
+    callback = AccumulationScheduler(
+        {0: 2}, normalize_by="sample", noise_scale=True, adaptive=True, adaptive_interval=5, adaptive_patience=3
+    )
+    trainer([callback], max_epochs=2).fit(RegressionModule(lr=0.0), DataLoader(BatchStream(x, y, 8), batch_size=None))
+    assert callback._adaptive_factor == 0  # never grew: 10.7 < 2 x 16
+    assert 5 < callback._noise.estimate.noise_scale < 20

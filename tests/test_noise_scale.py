@@ -36,14 +36,20 @@ def test_the_estimator_is_unbiased_on_synthetic_gradients():
     estimator = NoiseScaleEstimator(decay=0.999)
     for _ in range(4000):
         micro = true_g + torch.randn(n, 3, generator=generator) * (per_sample_var / 3 / b) ** 0.5
-        estimator.update(micro.pow(2).sum(1).mean().item(), micro.mean(0).pow(2).sum().item(), b, n)
+        estimator.update(micro.pow(2).sum(1).mean().item(), micro.mean(0).pow(2).sum().item(), 1 / b, n * b)
     estimate = estimator.estimate
     assert estimate.grad_sq == pytest.approx(true_g.pow(2).sum().item(), rel=0.05)
     assert estimate.trace == pytest.approx(per_sample_var, rel=0.05)
 
 
-def test_the_estimator_needs_two_micro_gradients_and_a_valid_decay():
-    assert NoiseScaleEstimator().update(1.0, 1.0, 8, num_small=1) is None
+def test_the_estimator_needs_two_micro_gradients_finite_values_and_a_valid_decay():
+    estimator = NoiseScaleEstimator(decay=0.5)
+    assert estimator.update(1.0, 1.0, inverse_small_batch=1 / 8, big_batch=8) is None  # one micro-batch
+    estimator.update(5.0, 2.0, 1 / 8, 32)
+    before = estimator.estimate
+    assert estimator.update(float("inf"), float("inf"), 1 / 8, 32) is None  # a step AMP's scaler skips
+    assert estimator.update(float("nan"), 2.0, 1 / 8, 32) is None
+    assert estimator.estimate == before
     with pytest.raises(ValueError, match=r"`noise_scale_decay` must be a number in \[0, 1\), got 1.0"):
         AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_decay=1.0)
     with pytest.raises(TypeError, match="`noise_scale` must be a bool"):
@@ -63,3 +69,48 @@ def test_the_logged_noise_scale_converges_to_the_exact_value_on_a_frozen_model(t
     logged = [float(row.split(",")[header.index("accum/noise_scale")]) for row in rows[1:]]
     assert len(logged) == 6 * 2048 // 64
     assert logged[-1] == pytest.approx(exact, rel=0.25)
+
+
+class RaggedBatches(torch.utils.data.IterableDataset):
+    """Shuffled samples in batches of random sizes from 1 to 15: micro-batches of very different weights."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, seed: int = 0) -> None:
+        self.x, self.y, self.epoch, self.seed = x, y, 0, seed
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        self.epoch += 1
+        order = torch.randperm(len(self.x), generator=generator)
+        start = 0
+        while start < len(order):
+            size = int(torch.randint(1, 16, (1,), generator=generator))
+            index = order[start : start + size]
+            start += size
+            yield self.x[index], self.y[index]
+
+
+def test_the_noise_scale_is_unbiased_with_ragged_micro_batches(tmp_path):
+    x, y = make_data(2048, seed=3)
+    exact = exact_noise_scale(x, y)
+    callback = AccumulationScheduler({0: 4}, normalize_by="sample", noise_scale=True, noise_scale_decay=0.99)
+    trainer([callback], max_epochs=4).fit(RegressionModule(lr=0.0), DataLoader(RaggedBatches(x, y), batch_size=None))
+    assert callback._noise.estimate.noise_scale == pytest.approx(exact, rel=0.25)
+
+
+def test_parameters_unfrozen_during_training_are_measured_too(tmp_path):
+    from lightning.pytorch.callbacks import Callback
+
+    class UnfreezeAtEpoch1(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            pl_module.net[0].requires_grad_(trainer.current_epoch >= 1)
+
+    x, y = make_data(2048, seed=3)
+    exact = exact_noise_scale(x, y)
+    module = RegressionModule(lr=0.0)
+    module.net[0].requires_grad_(False)
+    callback = AccumulationScheduler({0: 8}, noise_scale=True, noise_scale_decay=0.95)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    trainer([UnfreezeAtEpoch1(), callback], max_epochs=5).fit(module, loader)
+    estimate = callback._noise.estimate
+    assert estimate.trace > 0
+    assert estimate.noise_scale == pytest.approx(exact, rel=0.25)  # the whole model, as after unfreezing

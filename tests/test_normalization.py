@@ -182,3 +182,16 @@ def test_dataloader_iter_cannot_be_weighted_and_says_so():
     with pytest.raises(ValueError, match="dataloader_iter"):
         trainer([AccumulationScheduler({0: 2}, normalize_by="sample")], max_epochs=1).fit(model, loader(x, y, 4))
     assert max_deviation(weights(model), before) == 0.0
+
+
+def test_a_first_window_without_backward_is_skipped_quietly():
+    class SkipsTheFirstBatches(RegressionModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            return None if self.global_step == 0 and batch_idx < 3 else super().training_step(batch, batch_idx)
+
+    x, y = make_data(24)
+    model = SkipsTheFirstBatches()
+    fit = trainer([AccumulationScheduler({0: 3}, normalize_by="sample")], max_epochs=1)
+    fit.fit(model, loader(x, y, 4))
+    # the first window had no backward and no gradient; the second steps on the mean over its 12 samples
+    assert max_deviation(weights(model), sample_reference(x[12:], y[12:], 4, [[3]])) <= TOLERANCE

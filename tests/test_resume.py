@@ -87,3 +87,26 @@ def test_a_second_fit_on_the_same_trainer_continues_exactly():
     fit_trainer.fit(model, loader(x, y, 2))
     assert max_deviation(weights(model), reference_weights(x, y, 2, WINDOWS)) <= 1e-6
     assert fit_trainer.accumulate_grad_batches == 1
+
+
+def test_the_lr_scale_continues_after_a_resume(tmp_path):
+    """The base batch is the first window's of the whole run, not of the resumed part."""
+    import torch
+
+    x, y = make_data(16)
+
+    def callback() -> AccumulationScheduler:
+        return AccumulationScheduler({0: 2, 4: 8}, unit="step", lr_scaling="linear")
+
+    whole_callback = callback()
+    whole = RegressionModule()
+    trainer([whole_callback], max_epochs=3).fit(whole, loader(x, y, 2))
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    trainer([callback(), checkpoint], max_epochs=1, enable_checkpointing=True).fit(RegressionModule(), loader(x, y, 2))
+    resumed_callback = callback()
+    resumed = RegressionModule(seed=99)
+    trainer([resumed_callback], max_epochs=3).fit(resumed, loader(x, y, 2), ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert resumed_callback._base == whole_callback._base == 4.0  # micro-batch 2 x factor 2
+    assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
+    assert torch.isfinite(torch.cat([p.flatten() for p in weights(resumed)])).all()
