@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -35,21 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_lm import ByteLM, ByteWindows, read_corpus  # noqa: E402
 
 from lightning_accum import AccumulationScheduler  # noqa: E402
+from lightning_accum.monitor import peak_resident_bytes, resident_bytes  # noqa: E402
 
 _MIB = 2**20
-
-
-def _peak_resident_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
-
-
-def _resident_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
-    except OSError:
-        return _peak_resident_bytes()
 
 
 def run_one(config: dict[str, Any]) -> dict[str, Any]:
@@ -85,11 +72,11 @@ def run_one(config: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
-        before = _resident_bytes()
+        before = resident_bytes()
     start = time.perf_counter()
     trainer.fit(model, loader)
     seconds = time.perf_counter() - start
-    peak = torch.cuda.max_memory_allocated() - before if accelerator == "cuda" else _peak_resident_bytes() - before
+    peak = torch.cuda.max_memory_allocated() - before if accelerator == "cuda" else peak_resident_bytes() - before
     model.eval()
     with torch.no_grad():
         losses = [model.loss(batch).item() for batch in DataLoader(val, batch_size=64)]

@@ -97,16 +97,22 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
         }
         torch.cuda.reset_peak_memory_stats(device)
         return metrics
-    return {"accum/memory_rss_mb": _resident_bytes() / _MB}
+    return {"accum/memory_rss_mb": resident_bytes() / _MB}
 
 
-def _resident_bytes() -> int:
+def resident_bytes() -> int:
+    """This process's resident memory in bytes (Linux; elsewhere its peak, the best the standard library offers)."""
     try:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):  # not Linux: the peak is the best the standard library offers
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024
+    except (OSError, ValueError, IndexError):
+        return peak_resident_bytes()
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory in bytes since it started (``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def tensorboard_layout() -> dict[str, dict[str, list]]:

@@ -1,0 +1,94 @@
+"""`lightning-accum plan`: valid configurations, the divisibility explanations, and the memory probe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_accum.cli import main
+from lightning_accum.plan import PlanRow, plan, plan_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_global_batch_that_the_devices_do_not_divide_gets_the_nearest_valid_ones():
+    result = plan(100, devices=16)
+    assert result.rows == ()
+    assert result.problems == (
+        "global batch 100 is not a multiple of 16 devices: the nearest valid global batches are 96 or 112",
+    )
+
+
+def test_every_micro_batch_that_divides_is_listed_with_its_epoch_cost_and_lr():
+    result = plan(64, devices=2, dataset_size=1000, base_lr=1e-3, base_batch=16, rule="sqrt")
+    assert [row.micro_batch for row in result.rows] == [32, 16, 8, 4, 2, 1]
+    assert result.rows[2] == PlanRow(
+        micro_batch=8, factor=4, effective_batch=64, forward_passes_per_epoch=63, updates_per_epoch=16, lr=2e-3
+    )
+    # 500 samples a device: 63 micro-batches of 8, the last of 4; 16 windows, the last holding 3 micro-batches
+    assert all(row.micro_batch * row.factor * 2 == 64 for row in result.rows)
+    assert plan(64, devices=2, base_lr=1e-3, base_batch=16, rule="linear").rows[0].lr == pytest.approx(4e-3)
+
+
+def test_a_micro_batch_that_does_not_divide_is_explained():
+    result = plan(512, devices=8, micro_batches=[64, 12])
+    assert [row.micro_batch for row in result.rows] == [64]
+    assert "micro-batch 12" in result.problems[0]
+    assert "nearest valid global batches are 480 or 576" in result.problems[0]
+
+
+def test_the_memory_bound_keeps_the_micro_batches_that_fit():
+    assert [row.micro_batch for row in plan(64, max_micro_batch=10).rows] == [8, 4, 2, 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"global_batch": 0}, "`global_batch` must be an integer >= 1, got 0"),
+        ({"global_batch": 8, "devices": 0}, "`devices` must be an integer >= 1, got 0"),
+        ({"global_batch": 8, "rule": "cubic"}, "cubic"),
+        ({"global_batch": 8, "micro_batches": [0]}, "`micro_batch` must be an integer >= 1, got 0"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan(**kwargs)
+
+
+def test_the_command_prints_the_table_and_exits_2_without_a_valid_plan(capsys):
+    assert main(["plan", "--global-batch", "512", "--devices", "8", "--micro-batch", "64", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == plan_table(plan(512, devices=8, micro_batches=[64, 32])).splitlines()[0]
+    assert "| 32 | 2 | 512 |" in out
+    assert main(["plan", "--global-batch", "100", "--devices", "16"]) == 2
+    assert "96 or 112" in capsys.readouterr().out
+
+
+def test_the_probe_measures_the_real_model_and_picks_the_largest_micro_batch_that_fits():
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "lightning_accum.cli", "plan", "--global-batch", "512", "--micro-batch", "16", "512"]
+            + ["--probe", "tests.probe_model:WideNet", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+
+    measure = run("--memory-budget", "1e9")
+    assert measure.returncode == 0, measure.stderr[-2000:]
+    peaks = {
+        int(line.split()[2].rstrip(":")): float(line.split()[4])
+        for line in measure.stderr.splitlines()
+        if line.startswith("probe: micro-batch")
+    }
+    assert list(peaks) == [16, 512]
+    assert peaks[512] > peaks[16] + 4  # activations grow with the micro-batch (512 x 4096 floats = 8 MiB a layer)
+    chosen = run("--memory-budget", str((peaks[16] + peaks[512]) / 2))
+    assert chosen.returncode == 0, chosen.stderr[-2000:]
+    rows = [line for line in chosen.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(row.split("|")[1]) for row in rows] == [16]  # 512 does not fit the budget
