@@ -59,13 +59,13 @@ class AccumulationStrategyMixin:
     raises).
 
     Args:
-        \*args: Passed to the strategy the mixin is combined with.
+        *args: Passed to the strategy the mixin is combined with.
         gradient_sync: ``"last"``: one gradient reduction per optimizer step (least communication; under FSDP each
             rank holds the unsharded gradients of the model between micro-steps). ``"every"``: reduce-scatter on
             every micro-step so each rank holds only its gradient shard (least memory; one reduction per
             micro-step). ``"reduce_scatter"``: as ``"every"``, with HSDP's all-reduce across replicas deferred to the
             window's end. See ``docs/strategies.md`` for the memory arithmetic.
-        \*\*kwargs: Passed to the strategy the mixin is combined with.
+        **kwargs: Passed to the strategy the mixin is combined with.
 
     Raises:
         TypeError: If the mixin is combined with a strategy that is not a Lightning ``ParallelStrategy``.
