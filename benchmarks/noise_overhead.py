@@ -13,37 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationScheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import FACTOR, alternate, device, fit_seconds  # noqa: E402
 
-WIDTH, LAYERS, MICRO_BATCH, FACTOR = 1024, 4, 64, 4
+from lightning_accum import AccumulationScheduler  # noqa: E402
 
 
-class MLP(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(LAYERS)))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (x,) = batch
-        return self.net(x).pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-4)
-
-
-def round_seconds(noise: bool, steps: int) -> float:
-    data = TensorDataset(torch.randn(MICRO_BATCH * FACTOR * steps, WIDTH, generator=torch.Generator().manual_seed(0)))
+def step_seconds(noise: bool, steps: int) -> float:
     trainer = pl.Trainer(
         accelerator="auto",
         devices=1,
@@ -54,10 +35,7 @@ def round_seconds(noise: bool, steps: int) -> float:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = MLP()
-    start = time.perf_counter()
-    trainer.fit(model, DataLoader(data, batch_size=MICRO_BATCH))
-    return (time.perf_counter() - start) / steps
+    return fit_seconds(trainer, steps) / steps
 
 
 def main() -> None:
@@ -66,22 +44,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per round")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
-    round_seconds(True, 2)  # warm-up
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    for _ in range(args.rounds):
-        for label, noise in (("off", False), ("on", True)):
-            times[label].append(round_seconds(noise, args.steps))
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
-    ratios = [b / a for a, b in zip(times["off"], times["on"], strict=True)]
-    ratio = statistics.median(ratios)
-    row = {"seconds_per_step_off": off, "seconds_per_step_on": on, "ratio": ratio, "ratios": ratios, "rounds": times}
+    result = alternate(lambda noise: step_seconds(noise, args.steps), args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "noise_overhead.json").write_text(json.dumps(row, indent=2))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (args.out / "noise_overhead.json").write_text(json.dumps(result, indent=2))
+    ratios = result["ratios"]
     print(
         f"\n| device | noise_scale off (s/step) | on (s/step) | ratio on/off (median of rounds) | range |\n"
-        f"| --- | ---: | ---: | ---: | --- |\n| {device} | {off:.4f} | {on:.4f} | {ratio:.3f} |"
-        f" {min(ratios):.3f} to {max(ratios):.3f} |\n\nwrote {args.out / 'noise_overhead.json'}"
+        f"| --- | ---: | ---: | ---: | --- |\n| {device()} | {result['baseline']:.4f} | {result['candidate']:.4f} |"
+        f" {result['ratio']:.3f} | {min(ratios):.3f} to {max(ratios):.3f} |\n\nwrote {args.out / 'noise_overhead.json'}"
     )
 
 

@@ -13,41 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_accum import AccumulationScheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import FACTOR, alternate, device, fit_seconds  # noqa: E402
 
-WIDTH, LAYERS, MICRO_BATCH, FACTOR = 1024, 4, 64, 4
-
-
-class MLP(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(*(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(LAYERS)))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (x,) = batch
-        loss = self.net(x).pow(2).mean()
-        self.log("train/loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=1e-4)
+from lightning_accum import AccumulationScheduler  # noqa: E402
 
 
-def seconds_per_micro_step(ours: bool, steps: int, log_dir: str) -> float:
-    data = TensorDataset(torch.randn(MICRO_BATCH * FACTOR * steps, WIDTH, generator=torch.Generator().manual_seed(0)))
+def micro_step_seconds(ours: bool, steps: int, log_dir: str) -> float:
     extra: dict[str, Any] = (
         {"callbacks": [AccumulationScheduler({0: FACTOR})]} if ours else {"accumulate_grad_batches": FACTOR}
     )
@@ -62,9 +42,7 @@ def seconds_per_micro_step(ours: bool, steps: int, log_dir: str) -> float:
         enable_model_summary=False,
         **extra,
     )
-    start = time.perf_counter()
-    trainer.fit(MLP(), DataLoader(data, batch_size=MICRO_BATCH))
-    return (time.perf_counter() - start) / (steps * FACTOR)
+    return fit_seconds(trainer, steps, log_loss=True) / (steps * FACTOR)
 
 
 def main() -> None:
@@ -74,21 +52,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as log_dir:
-        seconds_per_micro_step(True, 2, log_dir)  # warm-up
-        times: dict[str, list[float]] = {"stock": [], "ours": []}
-        for _ in range(args.rounds):
-            for label in ("stock", "ours"):
-                times[label].append(seconds_per_micro_step(label == "ours", args.steps, log_dir))
-    ratios = [b / a for a, b in zip(times["stock"], times["ours"], strict=True)]
-    ratio = statistics.median(ratios)
-    stock, ours = statistics.median(times["stock"]), statistics.median(times["ours"])
+        result = alternate(lambda ours: micro_step_seconds(ours, args.steps, log_dir), args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overhead.json").write_text(json.dumps({"ratio": ratio, "ratios": ratios, "rounds": times}, indent=2))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    (args.out / "overhead.json").write_text(json.dumps(result, indent=2))
+    ratios = result["ratios"]
     print(
         f"\n| device | stock (ms/micro-step) | ours (ms/micro-step) | ratio ours/stock (median of rounds) | range |\n"
-        f"| --- | ---: | ---: | ---: | --- |\n| {device} | {stock * 1e3:.2f} | {ours * 1e3:.2f} | {ratio:.3f} |"
-        f" {min(ratios):.3f} to {max(ratios):.3f} |\n\nwrote {args.out / 'overhead.json'}"
+        f"| --- | ---: | ---: | ---: | --- |\n| {device()} | {result['baseline'] * 1e3:.2f} |"
+        f" {result['candidate'] * 1e3:.2f} | {result['ratio']:.3f} | {min(ratios):.3f} to {max(ratios):.3f} |"
+        f"\n\nwrote {args.out / 'overhead.json'}"
     )
 
 

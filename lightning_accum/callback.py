@@ -225,7 +225,8 @@ class AccumulationScheduler(Callback):
         self._noise_batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the noise scale counts it
         self._micro_sq: torch.Tensor | None = None  # squared norm of the micro-batch gradient in progress
-        self._micro_unscale = 1.0  # turns the hooked gradient into the gradient of the micro-batch's mean loss
+        # turns the hooked gradient into the gradient of the micro-batch's mean loss (up to the AMP loss scale)
+        self._micro_unscale: float | torch.Tensor = 1.0
         self._small_sqs: list[torch.Tensor] = []  # this window's micro-batch gradients' squared norms
         self._small_items: list[Any] = []
 
@@ -403,16 +404,14 @@ class AccumulationScheduler(Callback):
         if self._noise is not None:
             self._micro_sq = torch.zeros((), device=loss.device)
             # the hooked gradient is that of the loss Lightning backpropagates: the micro-batch's mean loss divided
-            # by the window's size, or re-weighted by its items, and multiplied by the AMP loss scale
+            # by the window's size, or re-weighted by its items (kept on the device: no host sync per micro-step);
+            # the AMP loss scale, constant over a window, is taken out once per step
             if self._count_items is None:
-                unscale = float(self._window.size)
+                self._micro_unscale = float(self._window.size)
             else:
                 assert self._items_per_micro_batch is not None
-                unscale = self._items_per_micro_batch / max(float(torch.as_tensor(self._items).sum()), 1.0)
-            scaler = getattr(trainer.precision_plugin, "scaler", None)
-            if scaler is not None and scaler.is_enabled():
-                unscale /= scaler.get_scale()
-            self._micro_unscale = unscale
+                items = torch.as_tensor(self._items, dtype=torch.float32, device=loss.device)
+                self._micro_unscale = self._items_per_micro_batch / items.clamp(min=1.0)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -424,11 +423,12 @@ class AccumulationScheduler(Callback):
     def _open_noise_window(self, pl_module: pl.LightningModule) -> None:
         """Start the window's noise bookkeeping; hook parameters that became trainable (an unfrozen backbone)."""
         self._small_sqs, self._small_items, self._micro_sq = [], [], None  # nothing of a dropped window survives
+        self._noise_params = []  # S_big is measured on exactly the parameters whose micro-batch gradients are hooked
         for param in pl_module.parameters():
             if param.requires_grad and id(param) not in self._noise_hooks:
                 self._noise_hooks[id(param)] = param.register_hook(self._add_micro_sq)
-        # S_big is measured on exactly the parameters whose micro-batch gradients the hooks see
-        self._noise_params = [param for param in pl_module.parameters() if id(param) in self._noise_hooks]
+            if id(param) in self._noise_hooks:
+                self._noise_params.append(param)
 
     def _count_samples(self, batch: Any) -> int:
         try:
@@ -663,6 +663,9 @@ class AccumulationScheduler(Callback):
             return
         big_sq = torch.stack([torch.dot(g.detach().reshape(-1), g.detach().reshape(-1)).float() for g in grads]).sum()
         small_sq = torch.stack(small)[bearing.to(small[0].device)].mean()
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and scaler.is_enabled():  # the scale the window's backwards ran with
+            small_sq = small_sq / scaler.get_scale() ** 2
         values = torch.stack([small_sq, big_sq.to(small_sq.device)]).tolist()  # one host sync per optimizer step
         inverse_small = float((1.0 / sizes[bearing]).mean())
         if self._count_items is not None:  # the step is the mean over every item of the window on every rank

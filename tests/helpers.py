@@ -126,3 +126,18 @@ class DictDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {key: value[index] for key, value in self.data.items()}
+
+
+def exact_noise_scale(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """B_simple = tr(Sigma) / |G|^2 of the MSE loss, from every per-sample gradient of the dataset (torch.func)."""
+    from torch.func import functional_call, grad, vmap
+
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def loss(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(functional_call(net, params, (xi[None],)), yi[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
+    mean = flat.mean(0)
+    return ((flat - mean).pow(2).sum(1).mean() / mean.pow(2).sum()).item()

@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from two_ranks import LR, NUM_SAMPLES, make_data, make_net  # noqa: E402
 
-from tests.helpers import make_tokens, token_loss  # noqa: E402
+from tests.helpers import exact_noise_scale, make_tokens, token_loss  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MICRO_BATCH = 4  # per rank
@@ -128,18 +128,7 @@ def test_a_step_on_unreduced_gradients_raises_before_the_weights_change(backend,
 
 
 def test_the_noise_scale_under_ddp_converges_to_the_exact_value(ddp):
-    from torch.func import functional_call, grad, vmap
-
-    x, y = make_data(1024)
-    net = make_net()
-    params = {name: p.detach() for name, p in net.named_parameters()}
-
-    def loss(params, xi, yi):
-        return nn.functional.mse_loss(functional_call(net, params, (xi[None],)), yi[None])
-
-    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
-    exact = ((flat - flat.mean(0)).pow(2).sum(1).mean() / flat.mean(0).pow(2).sum()).item()
+    exact = exact_noise_scale(make_net(), *make_data(1024))  # the two-rank script's net and data
     rank0, _ = _records(ddp, "noise_frozen_k4")
     # small batch: one rank's micro-batch of 4; big batch: 4 micro-steps x 2 ranks x 4 = 32 samples
     assert rank0["noise_scale"] == pytest.approx(exact, rel=0.25)

@@ -5,28 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
-from torch.func import functional_call, grad, vmap
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.noise import NoiseScaleEstimator
+from tests import helpers
 from tests.helpers import RegressionModule, make_data, make_net, trainer
 
 
 def exact_noise_scale(x: torch.Tensor, y: torch.Tensor) -> float:
-    """B_simple = tr(Sigma) / |G|^2 from every per-sample gradient of the dataset (plain torch.func)."""
-    net = make_net()
-    params = {name: p.detach() for name, p in net.named_parameters()}
-
-    def loss(params, xi, yi):
-        return nn.functional.mse_loss(functional_call(net, params, (xi[None],)), yi[None])
-
-    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
-    mean = flat.mean(0)
-    trace = (flat - mean).pow(2).sum(1).mean()
-    return (trace / mean.pow(2).sum()).item()
+    """B_simple of the tests' regression net on ``(x, y)``, from every per-sample gradient."""
+    return helpers.exact_noise_scale(make_net(), x, y)
 
 
 def test_the_estimator_is_unbiased_on_synthetic_gradients():
