@@ -6,6 +6,7 @@ callback adds them up over the window and reduces the total across ranks once pe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -94,7 +95,7 @@ def make_counter(
         return count_items
     if normalize_by == "sample":
         return count_samples
-    return lambda batch: count_tokens(batch, token_key, ignore_index)
+    return functools.partial(count_tokens, key=token_key, ignore_index=ignore_index)  # picklable, unlike a lambda
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

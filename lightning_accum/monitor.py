@@ -1,7 +1,8 @@
 """What is logged once per optimizer step: the metric dict, the memory probe, the TensorBoard layout and summary.
 
-This module owns the names and meaning of every ``accum/...`` key. It builds values from what the callback hands it
-and never reads Trainer state; the callback decides when to log and through which loggers.
+This module owns the names and meaning of every ``accum/...`` key (each feature adds its own keys, listed here too).
+It builds values from what it is handed and never reads Trainer state; the metrics feature
+(:mod:`lightning_accum.features.metrics`) decides when to log and through which loggers.
 
 | key | meaning |
 | --- | --- |
@@ -35,8 +36,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_accum.scaling import lr_scale
-
 _MB = 2**20
 
 
@@ -48,8 +47,6 @@ class StepRecord:
     micro_steps_in_window: int
     micro_batch_size: int | None
     world_size: int
-    lr: float | None
-    lr_scale: float
     samples_seen: int
     optimizer_steps: int
     micro_steps: int
@@ -62,14 +59,13 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
 
     Example::
 
-        >>> record = StepRecord(8, 8, 4, 2, 1e-3, 0.5, 640, 10, 80, 2.5, 0.5)
+        >>> record = StepRecord(8, 8, 4, 2, 640, 10, 80, 2.5, 0.5)
         >>> step_metrics(record)["accum/effective_batch_size"], step_metrics(record)["accum/samples_per_second"]
         (64.0, 128.0)
     """
     metrics = {
         "accum/factor": float(record.factor),
         "accum/world_size": float(record.world_size),
-        "accum/lr_scale": record.lr_scale,
         "accum/optimizer_steps": float(record.optimizer_steps),
         "accum/micro_steps": float(record.micro_steps),
     }
@@ -80,8 +76,6 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
         metrics["accum/samples_seen"] = float(record.samples_seen)
         if record.seconds > 0:
             metrics["accum/samples_per_second"] = effective / record.seconds
-    if record.lr is not None:
-        metrics["accum/lr"] = record.lr
     if record.window_loss is not None:
         metrics["accum/window_loss"] = record.window_loss
     return metrics
@@ -143,27 +137,15 @@ def tensorboard_layout() -> dict[str, dict[str, list]]:
     }
 
 
-def summary_text(
-    micro_batch_size: int | None, factor: int, world_size: int, lr: float | None, rule: str, base_batch_size: float
-) -> str:
-    """One line that explains the effective batch and the learning rate at the start of fit.
+def batch_summary(micro_batch_size: int | None, factor: int, world_size: int) -> str:
+    """How the effective batch comes about, for the run's summary line.
 
     Example::
 
-        >>> summary_text(4, 8, 2, 3e-4, "sqrt", 256)
-        'micro 4 x factor 8 x world 2 = 64 samples; lr 0.0003 x sqrt(64/256) = 0.00015'
+        >>> batch_summary(4, 8, 2)
+        'micro 4 x factor 8 x world 2 = 64 samples'
     """
     if micro_batch_size is None:
-        batch = f"factor {factor} x world {world_size} = {factor * world_size} micro-batches"
-        effective: float = factor * world_size
-    else:
-        effective = micro_batch_size * factor * world_size
-        batch = f"micro {micro_batch_size} x factor {factor} x world {world_size} = {effective:g} samples"
-    if lr is None:
-        return batch
-    if rule == "none":
-        return f"{batch}; lr {lr:g} (not scaled)"
-    ratio = f"{effective:g}/{base_batch_size:g}"
-    scaled = lr * lr_scale(rule, effective, base_batch_size)  # type: ignore[arg-type]
-    rule_text = f"({ratio})" if rule == "linear" else f"sqrt({ratio})"
-    return f"{batch}; lr {lr:g} x {rule_text} = {scaled:g}"
+        return f"factor {factor} x world {world_size} = {factor * world_size} micro-batches"
+    effective = micro_batch_size * factor * world_size
+    return f"micro {micro_batch_size} x factor {factor} x world {world_size} = {effective} samples"

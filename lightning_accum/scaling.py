@@ -54,6 +54,22 @@ def lr_scale(rule: LRScaling, effective_batch_size: float, base_batch_size: floa
     return ratio if rule == "linear" else math.sqrt(ratio)
 
 
+def lr_summary(lr: float, rule: LRScaling, effective_batch_size: float, base_batch_size: float) -> str:
+    """How the configured learning rate becomes the one used at ``effective_batch_size``, for the run's summary.
+
+    Example::
+
+        >>> lr_summary(3e-4, "sqrt", 64, 256)
+        'lr 0.0003 x sqrt(64/256) = 0.00015'
+    """
+    if rule == "none":
+        return f"lr {lr:g} (not scaled)"
+    ratio = f"{effective_batch_size:g}/{base_batch_size:g}"
+    scaled = lr * lr_scale(rule, effective_batch_size, base_batch_size)
+    rule_text = f"({ratio})" if rule == "linear" else f"sqrt({ratio})"
+    return f"lr {lr:g} x {rule_text} = {scaled:g}"
+
+
 @dataclass
 class ScaleWarmup:
     """A scale that moves linearly to each new value over ``steps`` optimizer steps (Goyal et al.'s gradual warmup).

@@ -38,6 +38,22 @@ def check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` if it is a ``bool``; raise a message naming ``name`` otherwise.
+
+    Raises:
+        TypeError: If ``value`` is not a ``bool``.
+
+    Example::
+
+        >>> check_bool("noise_scale", True)
+        True
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}")
+    return value
+
+
 def check_unit(unit: object) -> Unit:
     """Return ``unit`` if it is one of :data:`UNITS`.
 
@@ -263,6 +279,84 @@ def build_schedule(
             f" ramp_start and ramp_increment as multiples of {per_micro_step}"
         )
     return Schedule(points=tuple(points), unit="sample")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """The schedule a user asked for, validated, before the run's micro-batch size and world size are known.
+
+    :meth:`from_args` checks the callback's arguments; :meth:`build` turns them into a :class:`Schedule`.
+
+    Example::
+
+        >>> spec = ScheduleSpec.from_args(target_batch_size=64)
+        >>> spec.build(micro_batch_size=4, world_size=2).factor_at(0)
+        8
+    """
+
+    scheduling: dict[int, int] | None = None
+    unit: Unit = "epoch"
+    target_batch_size: int | None = None
+    ramp: BatchSizeRamp | None = None
+    micro_batch_size: int | None = None
+
+    @classmethod
+    def from_args(
+        cls,
+        scheduling: Mapping[int, int] | None = None,
+        unit: str = "epoch",
+        target_batch_size: int | None = None,
+        ramp_start_batch_size: int | None = None,
+        ramp_increment: int | None = None,
+        ramp_samples: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> ScheduleSpec:
+        """Validate the callback's schedule arguments (copying ``scheduling``, never changing it).
+
+        Raises:
+            TypeError: If a value has the wrong type.
+            ValueError: If a value is out of range, both ``scheduling`` and ``target_batch_size`` are given, or a
+                ramp is incomplete.
+        """
+        checked_unit = check_unit(unit)
+        points = None
+        if scheduling is not None:
+            if target_batch_size is not None:
+                raise ValueError(
+                    f"Give either `scheduling` (factors) or `target_batch_size` (a global batch), not both:"
+                    f" got scheduling={scheduling!r} and target_batch_size={target_batch_size!r}"
+                )
+            points = dict(Schedule.from_mapping(scheduling, checked_unit).points)
+        if target_batch_size is not None:
+            check_int("target_batch_size", target_batch_size, minimum=1)
+        given = {"ramp_start_batch_size": ramp_start_batch_size, "ramp_increment": ramp_increment}
+        given["ramp_samples"] = ramp_samples
+        ramp = None
+        if any(value is not None for value in given.values()):
+            missing = [name for name, value in given.items() if value is None]
+            if missing:
+                raise ValueError(f"A batch-size ramp needs all of {list(given)}; missing {missing} (got {given})")
+            if target_batch_size is None:
+                raise ValueError(f"A batch-size ramp needs `target_batch_size`, the size it ramps to (got {given})")
+            ramp = BatchSizeRamp(ramp_start_batch_size, ramp_increment, ramp_samples, target_batch_size)  # type: ignore[arg-type]
+        if micro_batch_size is not None:
+            check_int("micro_batch_size", micro_batch_size, 1)
+        return cls(points, checked_unit, target_batch_size, ramp, micro_batch_size)
+
+    def build(self, micro_batch_size: int | None, world_size: int) -> Schedule:
+        """The schedule for a run with this micro-batch size (per rank) and world size.
+
+        Raises:
+            ValueError: If the schedule needs the micro-batch size and it is unknown, or a batch size does not divide.
+        """
+        if self.unit == "sample" and self.scheduling is not None and micro_batch_size is None:
+            raise ValueError(
+                "`unit='sample'` counts samples, but the micro-batch size could not be read from the train"
+                " dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+            )
+        return build_schedule(
+            self.scheduling, self.unit, self.target_batch_size, self.ramp, micro_batch_size, world_size
+        )
 
 
 def count_optimizer_steps(

@@ -71,10 +71,10 @@ def test_the_factor_grows_in_powers_of_two_as_the_noise_scale_grows(tmp_path):
 
 def test_the_adaptive_factor_survives_a_checkpoint():
     callback = AccumulationScheduler({0: 2}, noise_scale=True, adaptive=True)
-    callback._adaptive_factor = 8
+    callback.features["adaptive"].factor = 8
     restored = AccumulationScheduler({0: 2}, noise_scale=True, adaptive=True)
     restored.load_state_dict(callback.state_dict())
-    assert restored._adaptive_factor == 8
+    assert restored.features["adaptive"].factor == 8
 
 
 def test_adaptive_compares_the_noise_scale_with_the_batch_in_the_same_unit():
@@ -87,5 +87,5 @@ def test_adaptive_compares_the_noise_scale_with_the_batch_in_the_same_unit():
         {0: 2}, normalize_by="sample", noise_scale=True, adaptive=True, adaptive_interval=5, adaptive_patience=3
     )
     trainer([callback], max_epochs=2).fit(RegressionModule(lr=0.0), DataLoader(BatchStream(x, y, 8), batch_size=None))
-    assert callback._adaptive_factor == 0  # never grew: 10.7 < 2 x 16
-    assert 5 < callback._noise.estimate.noise_scale < 20
+    assert callback.features["adaptive"].factor == 0  # never grew: 10.7 < 2 x 16
+    assert 5 < callback.features["noise_scale"].estimate.noise_scale < 20

@@ -72,8 +72,8 @@ def test_the_ramp_config_trains_with_the_ramp_and_sqrt_scaling(train_lm, tmp_pat
     assert cli.trainer.global_step == 3
     assert callback.factor == 2  # the ramp starts at 16 samples = micro-batch 8 x 2
     assert callback.samples_seen == 3 * 16
-    assert callback._rule == "sqrt"
-    assert callback._base == 16.0
+    assert callback.features["lr_scaling"].rule == "sqrt"
+    assert callback.features["lr_scaling"].base_batch_size == 16.0
     log_dir = Path(cli.trainer.logger.log_dir)
     assert (log_dir / "config.yaml").exists()  # LightningCLI saved the resolved config beside the events
     assert _scalars(log_dir, "accum/factor") == [2.0, 2.0, 2.0]
@@ -86,7 +86,7 @@ def test_the_step_schedule_config_changes_the_factor_at_step_50(train_lm, tmp_pa
     callback = _callback(cli)
     assert cli.trainer.global_step == 53
     assert callback.factor == 4
-    assert callback._scheduling == {0: 1, 50: 4, 120: 8}
+    assert callback._spec.scheduling == {0: 1, 50: 4, 120: 8}
     factors = _scalars(Path(cli.trainer.logger.log_dir), "accum/factor")
     assert factors == [1.0] * 50 + [4.0] * 3
     scales = _scalars(Path(cli.trainer.logger.log_dir), "accum/lr_scale")

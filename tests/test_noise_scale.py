@@ -83,7 +83,7 @@ def test_the_noise_scale_is_unbiased_with_ragged_micro_batches(tmp_path):
     exact = exact_noise_scale(x, y)
     callback = AccumulationScheduler({0: 4}, normalize_by="sample", noise_scale=True, noise_scale_decay=0.99)
     trainer([callback], max_epochs=4).fit(RegressionModule(lr=0.0), DataLoader(RaggedBatches(x, y), batch_size=None))
-    assert callback._noise.estimate.noise_scale == pytest.approx(exact, rel=0.25)
+    assert callback.features["noise_scale"].estimate.noise_scale == pytest.approx(exact, rel=0.25)
 
 
 def test_parameters_unfrozen_during_training_are_measured_too(tmp_path):
@@ -100,6 +100,6 @@ def test_parameters_unfrozen_during_training_are_measured_too(tmp_path):
     callback = AccumulationScheduler({0: 8}, noise_scale=True, noise_scale_decay=0.95)
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
     trainer([UnfreezeAtEpoch1(), callback], max_epochs=5).fit(module, loader)
-    estimate = callback._noise.estimate
+    estimate = callback.features["noise_scale"].estimate
     assert estimate.trace > 0
     assert estimate.noise_scale == pytest.approx(exact, rel=0.25)  # the whole model, as after unfreezing

@@ -107,6 +107,10 @@ def test_the_lr_scale_continues_after_a_resume(tmp_path):
     resumed_callback = callback()
     resumed = RegressionModule(seed=99)
     trainer([resumed_callback], max_epochs=3).fit(resumed, loader(x, y, 2), ckpt_path=tmp_path / "epoch=0.ckpt")
-    assert resumed_callback._base == whole_callback._base == 4.0  # micro-batch 2 x factor 2
+    assert (
+        resumed_callback.features["lr_scaling"].base_batch_size
+        == whole_callback.features["lr_scaling"].base_batch_size
+        == 4.0
+    )  # micro-batch 2 x factor 2
     assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
     assert torch.isfinite(torch.cat([p.flatten() for p in weights(resumed)])).all()

@@ -215,10 +215,11 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         "world_size": trainer.world_size,
     }
     scheduler = next((c for c in trainer.callbacks if isinstance(c, AccumulationScheduler)), None)
-    if scheduler is not None and scheduler._noise is not None:
-        record["noise_scale"] = scheduler._noise.estimate.noise_scale
-    if scheduler is not None and scheduler._adaptive is not None:
-        record["adaptive_factor"] = scheduler._adaptive_factor
+    features = scheduler.features if scheduler is not None else {}
+    if "noise_scale" in features:
+        record["noise_scale"] = features["noise_scale"].estimate.noise_scale
+    if "adaptive" in features:
+        record["adaptive_factor"] = features["adaptive"].factor
     if backend == "ddp":
         record["allreduce_buckets"] = list(ALLREDUCE_BUCKETS)
     else:

@@ -1,0 +1,273 @@
+"""The window events, the context they carry, and the base class of a feature.
+
+:class:`~lightning_accum.AccumulationScheduler` owns the window, the schedule and Lightning's loop; everything optional
+(LR scaling, item weighting, the noise scale, adaptive growth, metrics) is a :class:`Feature` that handles some of the
+:class:`Event` s below and keeps its own state. At each event the callback updates the :class:`Context` and calls the
+features that handle it, in the order they were registered; a feature reads the context, may publish into it for the
+features after it, and never touches another feature.
+
+This module holds no behaviour of its own and imports no Lightning, so a feature can be driven through its events in
+a test without a Trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_accum.window import Window
+
+
+class Event(str, Enum):
+    """The points of a fit at which features act, in the order they happen.
+
+    ========================  =========================================  =============================================
+    event                     Lightning hook                             what the context holds
+    ========================  =========================================  =============================================
+    ``SETUP``                 ``setup("fit")``                           ``trainer``, ``module``: check, refuse early
+    ``FIT_START``             ``on_train_start``                         the run's sizes, ``factor`` of the first window
+    ``WINDOW_OPENING``        ``on_train_batch_start`` at a boundary     ``factor``: the schedule's; may be raised
+    ``WINDOW_OPENED``         the same, once the window is open          ``window`` (its size), ``factor``
+    ``MICRO_BATCH_STARTED``   ``on_train_batch_start``                   ``batch``
+    ``BEFORE_BACKWARD``       ``on_before_backward``                     ``loss`` (backward runs on it), its divisor
+    ``AFTER_BACKWARD``        ``on_after_backward``
+    ``WINDOW_CLOSING``        ``on_before_optimizer_step``               ``optimizer``, ``gradient_scale`` to set
+    ``GRADIENT_READY``        the same, the gradient is the window mean  ``optimizer``; before clipping and the step
+    ``MICRO_BATCH_ENDED``     ``on_train_batch_end``                     ``loss``: what ``training_step`` returned
+    ``WINDOW_CLOSED``         the same, after the optimizer step         ``metrics`` to add to
+    ``FIT_END``               ``teardown("fit")`` or ``on_exception``    release hooks
+    ========================  =========================================  =============================================
+    """
+
+    SETUP = "setup"
+    FIT_START = "fit_start"
+    WINDOW_OPENING = "window_opening"
+    WINDOW_OPENED = "window_opened"
+    MICRO_BATCH_STARTED = "micro_batch_started"
+    BEFORE_BACKWARD = "before_backward"
+    AFTER_BACKWARD = "after_backward"
+    WINDOW_CLOSING = "window_closing"
+    GRADIENT_READY = "gradient_ready"
+    MICRO_BATCH_ENDED = "micro_batch_ended"
+    WINDOW_CLOSED = "window_closed"
+    FIT_END = "fit_end"
+
+
+def _local_reduce(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    return tensor
+
+
+def _local_broadcast(obj: Any) -> Any:
+    return obj
+
+
+@dataclass(eq=False)
+class Context:
+    """What the callback knows at an event, and what features publish for the features after them.
+
+    The callback sets the first three groups; a feature writes only the last group, and only the fields its
+    documentation names. Without a Trainer (a feature's own tests) the defaults describe one process.
+
+    Attributes:
+        world_size: Number of ranks.
+        is_global_zero: Whether this is rank zero.
+        micro_batch_size: Samples per micro-batch on one rank, the same on every rank (rank zero's, broadcast), or
+            ``None`` when unknown.
+        reduce: ``reduce(tensor, "sum" | "mean")`` over ranks (the strategy's).
+        broadcast: ``broadcast(obj)`` from rank zero to every rank (the strategy's).
+        module: The LightningModule (any ``nn.Module`` in a test).
+        optimizers: The optimizers, from ``FIT_START``.
+        trainer: The Trainer, for glue that needs more than the above; ``None`` in a test.
+        optimizer_steps: Optimizer steps taken (``trainer.global_step``), current at window events.
+        samples_seen: Samples consumed by all ranks together (``micro_batch_size x world_size`` per micro-step).
+        micro_steps: Micro-batches trained on by one rank.
+        window: The window in progress.
+        factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
+        batch: The micro-batch in progress.
+        loss: At ``BEFORE_BACKWARD`` the tensor backward runs on (the micro-batch's loss divided by
+            ``loss_divisor``; a feature may re-weigh it in place); at ``MICRO_BATCH_ENDED`` the loss
+            ``training_step`` returned, divided by the window's size, or ``None``.
+        loss_divisor: What the micro-batch's mean loss is divided by in its backward: the window's size, or what a
+            feature re-weighed it to.
+        optimizer: The optimizer about to step (``WINDOW_CLOSING``, ``GRADIENT_READY``).
+        gradient_scale: At ``WINDOW_CLOSING``: what turns the accumulated gradient into the window's mean. The
+            callback sets the correction for a window cut short; a feature that weighs micro-batches otherwise
+            replaces it; the callback applies it once before ``GRADIENT_READY``.
+        items: Published at ``MICRO_BATCH_STARTED`` by item weighting: the micro-batch's samples or tokens on this
+            rank (``None`` when every micro-batch weighs the same).
+        window_items: Published at ``WINDOW_CLOSING`` by item weighting: the window's items on all ranks.
+        noise_scale: Published at ``GRADIENT_READY`` by the noise scale: the current estimate, or ``None``.
+        noise_batch: Published with it: ``(items in the window on all ranks, micro-batches in the window)`` of the
+            latest measured step, in the estimate's unit.
+        metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step.
+        summary: Filled at ``FIT_START``; each feature adds a phrase for the run's summary line.
+    """
+
+    world_size: int = 1
+    is_global_zero: bool = True
+    micro_batch_size: int | None = None
+    reduce: Callable[[torch.Tensor, str], torch.Tensor] = _local_reduce
+    broadcast: Callable[[Any], Any] = _local_broadcast
+    module: Any = None
+    optimizers: list[Any] = field(default_factory=list)
+    trainer: Any = None
+
+    optimizer_steps: int = 0
+    samples_seen: int = 0
+    micro_steps: int = 0
+
+    window: Window = field(default_factory=Window)
+    factor: int = 1
+    batch: Any = None
+    loss: torch.Tensor | None = None
+    loss_divisor: float | torch.Tensor = 1.0
+    optimizer: Any = None
+    gradient_scale: float = 1.0
+
+    items: Any = None
+    window_items: float | None = None
+    noise_scale: float | None = None
+    noise_batch: tuple[float, int] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    summary: list[str] = field(default_factory=list)
+
+    def effective_batch(self, micro_batches: int) -> int:
+        """Samples in a window of ``micro_batches`` on every rank (micro-batches when the size is unknown)."""
+        return (self.micro_batch_size or 1) * micro_batches * self.world_size
+
+    @property
+    def samples_per_micro_step(self) -> int:
+        """Samples all ranks consume together in one micro-step (0 when the micro-batch size is unknown)."""
+        return (self.micro_batch_size or 0) * self.world_size
+
+
+class Feature:
+    """One optional concern of the callback: the events it handles, its state, its metrics.
+
+    A subclass sets :attr:`name` (its key in the checkpoint) and overrides the event methods it needs; the callback
+    calls only those. Each event method takes the :class:`Context`. See ``docs/architecture.md`` for how to add one.
+
+    Example::
+
+        class StepCounter(Feature):
+            name = "step_counter"
+
+            def __init__(self) -> None:
+                self.steps = 0
+
+            def window_closed(self, ctx: Context) -> None:
+                self.steps += 1
+                ctx.metrics["accum/my_steps"] = float(self.steps)
+
+            def state_dict(self) -> dict[str, Any]:
+                return {"steps": self.steps}
+
+            def load_state_dict(self, state: dict[str, Any]) -> None:
+                self.steps = int(state.get("steps", 0))
+    """
+
+    name: ClassVar[str]
+
+    def handles(self, event: Event) -> bool:
+        """Whether this feature overrides ``event``'s method."""
+        return getattr(type(self), event.value) is not getattr(Feature, event.value)
+
+    def reset(self) -> None:
+        """Forget the state of an earlier run: a new fit starts from optimizer step 0 (a checkpoint loads after)."""
+
+    def setup(self, ctx: Context) -> None:
+        """``SETUP``: refuse a Trainer this feature cannot run with, before any weight changes."""
+
+    def fit_start(self, ctx: Context) -> None:
+        """``FIT_START``: the run's sizes are known."""
+
+    def window_opening(self, ctx: Context) -> None:
+        """``WINDOW_OPENING``: a window is about to open with ``ctx.factor``, which a feature may raise."""
+
+    def window_opened(self, ctx: Context) -> None:
+        """``WINDOW_OPENED``: a window of ``ctx.window.size`` micro-steps opened."""
+
+    def micro_batch_started(self, ctx: Context) -> None:
+        """``MICRO_BATCH_STARTED``: ``ctx.batch`` is about to be trained on."""
+
+    def before_backward(self, ctx: Context) -> None:
+        """``BEFORE_BACKWARD``: backward is about to run on ``ctx.loss``."""
+
+    def after_backward(self, ctx: Context) -> None:
+        """``AFTER_BACKWARD``: the micro-batch's gradient has been added."""
+
+    def window_closing(self, ctx: Context) -> None:
+        """``WINDOW_CLOSING``: the window's gradient is complete but not yet its mean; set ``ctx.gradient_scale``."""
+
+    def gradient_ready(self, ctx: Context) -> None:
+        """``GRADIENT_READY``: the gradient is the window's mean; clipping and the optimizer step follow."""
+
+    def micro_batch_ended(self, ctx: Context) -> None:
+        """``MICRO_BATCH_ENDED``: the micro-step is over; ``ctx.loss`` is what it returned."""
+
+    def window_closed(self, ctx: Context) -> None:
+        """``WINDOW_CLOSED``: the optimizer stepped; add this step's metrics to ``ctx.metrics``."""
+
+    def fit_end(self, ctx: Context) -> None:
+        """``FIT_END``: the fit ended, normally or not; release what was attached to the model or optimizers."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs; stored in the checkpoint under :attr:`name`."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (read with defaults, so older checkpoints load)."""
+
+
+class Features(Mapping[str, Feature]):
+    """The enabled features by name, in dispatch order, with the handlers of each event resolved once.
+
+    Example::
+
+        >>> features = Features([])
+        >>> features.dispatch(Event.WINDOW_CLOSED, Context()); len(features)
+        0
+    """
+
+    def __init__(self, features: Iterable[Feature]) -> None:
+        self._features = {feature.name: feature for feature in features}
+        self._handlers = {
+            event: tuple(getattr(feature, event.value) for feature in self._features.values() if feature.handles(event))
+            for event in Event
+        }
+
+    def dispatch(self, event: Event, ctx: Context) -> None:
+        """Call every feature that handles ``event``, in order."""
+        for handler in self._handlers[event]:
+            handler(ctx)
+
+    def handle(self, event: Event) -> bool:
+        """Whether any feature handles ``event``."""
+        return bool(self._handlers[event])
+
+    def reset(self) -> None:
+        """Reset every feature for a new run."""
+        for feature in self._features.values():
+            feature.reset()
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """Every feature's state under its name."""
+        return {name: feature.state_dict() for name, feature in self._features.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Give each feature its entry of ``state`` (an empty one if the checkpoint has none)."""
+        for name, feature in self._features.items():
+            feature.load_state_dict(dict(state.get(name, {})))
+
+    def __getitem__(self, name: str) -> Feature:
+        return self._features[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._features)
+
+    def __len__(self) -> int:
+        return len(self._features)

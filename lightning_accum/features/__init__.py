@@ -1,0 +1,14 @@
+"""The callback's optional features, one module each; :mod:`lightning_accum.events` says how they are driven.
+
+A feature module imports :mod:`lightning_accum.events` and the pure modules, never another feature module: what one
+feature needs from another reaches it through the :class:`~lightning_accum.events.Context`. The callback registers
+them, in dispatch order, in ``AccumulationScheduler.__init__``.
+"""
+
+from lightning_accum.features.adaptive_growth import AdaptiveGrowth
+from lightning_accum.features.item_weighting import ItemWeighting
+from lightning_accum.features.lr_scaling import LRScaling
+from lightning_accum.features.metrics import Metrics
+from lightning_accum.features.noise_scale import NoiseScale
+
+__all__ = ["AdaptiveGrowth", "ItemWeighting", "LRScaling", "Metrics", "NoiseScale"]

@@ -1,0 +1,126 @@
+"""Item weighting (``normalize_by="sample"|"token"``): each micro-batch weighs its samples or loss-bearing tokens.
+
+Lightning divides each micro-batch's mean loss by the window's size, so every micro-batch weighs the same. Here the
+loss is re-weighed in place before its backward to ``items x size / items_per_micro_batch`` of that (a constant common
+to all ranks keeps the weighted losses near the unweighted ones), and at the window's end the accumulated gradient is
+divided by the window's items on all ranks (one scalar all-reduce per optimizer step), so the step is that of the
+mean loss over every sample or token of the window. Counting is in :mod:`lightning_accum.items`.
+
+Publishes ``ctx.items`` (``MICRO_BATCH_STARTED``), ``ctx.loss_divisor`` (``BEFORE_BACKWARD``), ``ctx.window_items``
+and ``ctx.gradient_scale`` (``WINDOW_CLOSING``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_accum.events import Context, Feature
+from lightning_accum.items import check_normalize_by, make_counter
+from lightning_accum.schedule import check_int
+
+
+class ItemWeighting(Feature):
+    """Weigh each micro-batch by its items, over the window and all ranks.
+
+    Args:
+        normalize_by: ``"sample"`` or ``"token"`` (``"micro_batch"`` is accepted and weighs nothing: the callback
+            then leaves this feature out).
+        token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
+        ignore_index: The label value that bears no loss.
+        count_items: ``batch -> int or tensor``, replacing the two rules above.
+
+    Raises:
+        TypeError: If ``token_key``, ``ignore_index`` or ``count_items`` has the wrong type.
+        ValueError: If ``normalize_by`` is unknown.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_accum.events import Context, Event, Features
+        >>> from lightning_accum.window import Window
+        >>> features, ctx = Features([ItemWeighting("sample")]), Context(window=Window(size=2, taken=0, closed=False))
+        >>> for rows in (3, 1):  # two micro-batches of 3 and 1 samples
+        ...     ctx.batch, ctx.loss = torch.zeros(rows, 2), torch.ones(())
+        ...     features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        ...     features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        >>> features.dispatch(Event.WINDOW_CLOSING, ctx); ctx.window_items, ctx.gradient_scale
+        (4.0, 0.75)
+    """
+
+    name = "item_weighting"
+
+    def __init__(
+        self,
+        normalize_by: str = "sample",
+        token_key: str | int = "labels",
+        ignore_index: int = -100,
+        count_items: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.normalize_by = check_normalize_by(normalize_by)
+        if not isinstance(token_key, (str, int)) or isinstance(token_key, bool):
+            raise TypeError(f"`token_key` must be a str (a mapping key) or an int (a position), got {token_key!r}")
+        check_int("ignore_index", ignore_index, minimum=-(2**63))
+        if count_items is not None and not callable(count_items):
+            raise TypeError(f"`count_items` must be a callable `batch -> int`, got {count_items!r}")
+        self._count = make_counter(self.normalize_by, token_key, ignore_index, count_items)
+        self._per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
+        self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
+        self._device = torch.device("cpu")
+
+    @override
+    def setup(self, ctx: Context) -> None:
+        if ctx.module is not None and "dataloader_iter" in inspect.signature(ctx.module.training_step).parameters:
+            raise ValueError(
+                f"normalize_by={self.normalize_by!r} counts each micro-batch's items before its backward, but"
+                " `training_step(self, dataloader_iter)` hides the batch from callbacks: use `training_step(self,"
+                " batch, batch_idx)` or normalize_by='micro_batch'"
+            )
+        self._per_micro_batch = None  # once per fit, from its first micro-batch
+
+    @override
+    def window_opened(self, ctx: Context) -> None:
+        self._window_items = 0
+
+    @override
+    def micro_batch_started(self, ctx: Context) -> None:
+        assert self._count is not None, "the callback leaves normalize_by='micro_batch' out"
+        ctx.items = self._count(ctx.batch)
+
+    @override
+    def before_backward(self, ctx: Context) -> None:
+        loss, items = ctx.loss, ctx.items
+        assert loss is not None
+        if self._per_micro_batch is None:
+            first = torch.as_tensor(items, dtype=torch.float32, device=loss.device)
+            self._per_micro_batch = max(float(ctx.reduce(first, "mean")), 1.0)
+        # Lightning divided the loss by the window's size; make it items / (typical items) instead, in place: the
+        # tensor handed to this hook is the fresh quotient that backward runs on
+        weight = torch.as_tensor(items, dtype=loss.dtype, device=loss.device) * (
+            ctx.window.size / self._per_micro_batch
+        )
+        loss.mul_(weight)
+        # a micro-batch without items has a zero gradient: any positive divisor serves
+        counted = torch.as_tensor(items, dtype=torch.float32, device=loss.device)
+        ctx.loss_divisor = self._per_micro_batch / counted.clamp(min=1.0)
+        self._window_items = self._window_items + items
+        self._device = loss.device
+
+    @override
+    def window_closing(self, ctx: Context) -> None:
+        if self._per_micro_batch is None:  # no backward yet in this fit (training_step returned None)
+            return
+        dtype = torch.float32 if self._device.type == "mps" else torch.float64
+        local = torch.as_tensor(self._window_items, dtype=dtype, device=self._device)
+        total = float(ctx.reduce(local, "sum"))  # the one collective this adds per step
+        ctx.window_items = total
+        # the gradient holds the rank average of sum(items_i * grad_i) / items_per_micro_batch
+        ctx.gradient_scale = ctx.world_size * self._per_micro_batch / total if total > 0 else 0.0
+
+    @override
+    def window_closed(self, ctx: Context) -> None:
+        ctx.metrics[f"accum/window_{self.normalize_by}s"] = ctx.window_items or 0.0

@@ -1,0 +1,115 @@
+"""LR scaling (``lr_scaling``, ``base_batch_size``, ``lr_warmup_steps``): the learning rate follows the effective batch.
+
+At each window's opening the scale's target is set from the window's effective batch (linear or square-root rule of
+:mod:`lightning_accum.scaling`, with an optional warmup); the scale multiplies each param group's ``lr`` only while
+``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with ``lr_scaling="none"`` the scale is 1
+and only ``accum/lr`` and ``accum/lr_scale`` are logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typing_extensions import override
+
+from lightning_accum.events import Context, Feature
+from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale, lr_summary
+from lightning_accum.schedule import check_int
+
+
+class LRScaling(Feature):
+    """Scale the configured learning rate with the effective batch, inside each optimizer step only.
+
+    Args:
+        rule: ``"none"``, ``"linear"`` or ``"sqrt"``.
+        base_batch_size: The global batch (in samples) at which the configured learning rate was tuned; by default
+            the effective batch of the first window. Kept in the checkpoint, so a resumed run keeps its base.
+        warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
+
+    Raises:
+        TypeError: If ``base_batch_size`` or ``warmup_steps`` is not an integer.
+        ValueError: If ``rule`` is unknown or a number is out of range; at ``FIT_START``, if ``base_batch_size`` is
+            given and the micro-batch size is unknown.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_accum.events import Context, Event, Features
+        >>> param = torch.nn.Parameter(torch.zeros(1)); param.grad = torch.ones(1)
+        >>> optimizer = torch.optim.SGD([param], lr=0.1)
+        >>> features = Features([LRScaling("linear", base_batch_size=8)])
+        >>> ctx = Context(micro_batch_size=4, optimizers=[optimizer], factor=4)
+        >>> features.dispatch(Event.FIT_START, ctx); features.dispatch(Event.WINDOW_OPENED, ctx)
+        >>> optimizer.step(); round(param.item(), 6), optimizer.param_groups[0]["lr"]  # stepped with 0.1 x 16/8
+        (-0.2, 0.1)
+        >>> features.dispatch(Event.FIT_END, ctx)
+    """
+
+    name = "lr_scaling"
+
+    def __init__(self, rule: str = "none", base_batch_size: int | None = None, warmup_steps: int = 0) -> None:
+        self.rule = check_rule(rule)
+        self._configured_base = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
+        self._warmup = ScaleWarmup(steps=check_int("lr_warmup_steps", warmup_steps, minimum=0))
+        self.base_batch_size = 1.0  # resolved: samples (or micro-batches when the micro-batch size is unknown)
+        self._restored_base: float | None = None
+        self._scale = 1.0  # the scale of the step the window in progress ends with
+        self._scaled_steps: list[ScaledStep] = []
+
+    @override
+    def reset(self) -> None:
+        self._warmup = ScaleWarmup(steps=self._warmup.steps)
+
+    @override
+    def setup(self, ctx: Context) -> None:
+        self._restored_base = None  # a checkpoint restored after setup sets it again
+
+    @override
+    def fit_start(self, ctx: Context) -> None:
+        # a resumed run keeps the base it started from, so the scale continues where it was
+        self.base_batch_size = self._restored_base if self._restored_base is not None else self._resolve_base(ctx)
+        self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers]
+        if ctx.optimizers:
+            lr = ctx.optimizers[0].param_groups[0]["lr"]
+            ctx.summary.append(lr_summary(lr, self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size))
+
+    def _resolve_base(self, ctx: Context) -> float:
+        if self._configured_base is None:
+            return float(ctx.effective_batch(ctx.factor))
+        if ctx.micro_batch_size is None:
+            raise ValueError(
+                f"`base_batch_size={self._configured_base}` is in samples, but the micro-batch size could not be read"
+                " from the train dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+            )
+        return float(self._configured_base)
+
+    def _current_scale(self) -> float:
+        return self._scale
+
+    @override
+    def window_opened(self, ctx: Context) -> None:
+        target = lr_scale(self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size)
+        self._warmup.set(target, step=ctx.optimizer_steps)
+        self._scale = self._warmup.value(ctx.optimizer_steps)
+
+    @override
+    def window_closed(self, ctx: Context) -> None:
+        ctx.metrics["accum/lr_scale"] = self._scale
+        if ctx.optimizers:
+            ctx.metrics["accum/lr"] = float(ctx.optimizers[0].param_groups[0]["lr"] * self._scale)
+
+    @override
+    def fit_end(self, ctx: Context) -> None:
+        for scaled in self._scaled_steps:
+            scaled.remove()
+        self._scaled_steps = []
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"warmup": self._warmup.state_dict(), "base_batch_size": self.base_batch_size}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._warmup.load_state_dict(state.get("warmup", {}))
+        if "base_batch_size" in state:
+            self._restored_base = float(state["base_batch_size"])
