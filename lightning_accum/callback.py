@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
-from lightning_accum.events import Context, Event, Features
+from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, count_optimizer_steps
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
@@ -32,67 +32,50 @@ class AccumulationScheduler(Callback):
     r"""Accumulate gradients exactly, with a factor that may change by epoch, optimizer step or samples consumed.
 
     Every optimizer step equals the step of one big batch made of its window's micro-batches: each micro-batch's loss
-    is divided by the number of micro-batches the window really holds, so the last, incomplete window of an epoch is
-    weighed right, and a factor change never splits or merges a window.
-
-    **When a change takes effect.** A new factor applies from the first window that *starts* at or after its
-    position; the window in progress always finishes with the factor it was opened with.
-
-    - ``unit="epoch"``: at the first batch of that epoch (windows never span epochs).
-    - ``unit="step"``: exactly at that optimizer step (``trainer.global_step``), which is always a window boundary.
-    - ``unit="sample"`` (and the ramp): at the first window that starts once that many samples have been consumed by
-      all ranks together. Samples are counted as ``micro_batch_size x world_size`` per micro-batch.
-
-    The last window of an epoch holds the batches that are left; it steps with the mean over those. Everything else
-    is a feature of its own (:mod:`lightning_accum.features`), switched on by its arguments below.
+    is divided by the micro-batches the window really holds (the last window of an epoch holds what is left), and a
+    factor change never splits or merges a window: it applies from the first window that *starts* at or after its
+    position (see ``docs/schedules.md``). Everything else is a feature of its own (:mod:`lightning_accum.features`),
+    switched on by its arguments.
 
     Args:
         scheduling: ``{position: factor}``; positions before the first key use factor 1. ``None`` with no
             ``target_batch_size`` means factor 1 throughout.
-        unit: What the keys of ``scheduling`` count: ``"epoch"`` (as Lightning's ``GradientAccumulationScheduler``),
-            ``"step"`` (optimizer steps) or ``"sample"`` (samples consumed by all ranks together).
-        target_batch_size: The global effective batch in samples; the factor is
-            ``target_batch_size / (micro_batch_size x world_size)``, which must be a whole number.
-        ramp_start_batch_size: With ``ramp_increment`` and ``ramp_samples``: start the global batch at this size
-            and grow it linearly to ``target_batch_size``, as Megatron's ``--rampup-batch-size``.
+        unit: What the keys count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (samples consumed by all
+            ranks together, ``micro_batch_size x world_size`` per micro-step).
+        target_batch_size: The global effective batch in samples: factor = target / (micro-batch x world size).
+        ramp_start_batch_size: With the next two: ramp the global batch linearly from this size to
+            ``target_batch_size``, as Megatron's ``--rampup-batch-size``.
         ramp_increment: How much the global batch grows at each stage of the ramp.
         ramp_samples: Samples (all ranks together) over which the ramp reaches ``target_batch_size``.
-        micro_batch_size: Samples per micro-batch on one rank. By default read from the train dataloader's
-            ``batch_size`` (rank zero's, for every rank); needed for ``target_batch_size``, ``unit="sample"`` and a
-            ``base_batch_size``.
-        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the optimizer's learning rate is the configured one (as the
-            LR scheduler shapes it) times ``effective / base`` or ``sqrt(effective / base)``, applied only while
-            ``optimizer.step()`` runs (:class:`~lightning_accum.features.LRScaling`).
-        base_batch_size: The global batch (in samples) at which the configured learning rate was tuned. By default
-            the effective batch of the first window.
-        lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps instead of jumping.
-        normalize_by: What each micro-batch weighs in the window's mean: ``"micro_batch"`` (each the same),
-            ``"sample"`` (its samples) or ``"token"`` (its loss-bearing tokens), totalled over the window and all
-            ranks (:class:`~lightning_accum.features.ItemWeighting`; ``docs/normalization.md``).
-        token_key: Where ``normalize_by="token"`` finds the labels: a mapping key or a tuple position.
+        micro_batch_size: Samples per micro-batch on one rank; by default rank zero's train dataloader
+            ``batch_size``.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR used is the configured one times
+            ``effective / base`` or its square root, inside ``optimizer.step()`` only
+            (:class:`~lightning_accum.features.LRScaling`).
+        base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
+        lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
+        normalize_by: What a micro-batch weighs: ``"micro_batch"`` (the same), ``"sample"`` or ``"token"`` (its
+            items, over the window and all ranks; :class:`~lightning_accum.features.ItemWeighting`).
+        token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
-        count_items: A function ``batch -> int or tensor`` that counts a micro-batch's items instead.
-        noise_scale: Estimate the gradient noise scale ``B_simple`` (McCandlish et al. 2018) from the micro-batch
-            gradients and log ``accum/noise_scale`` (:class:`~lightning_accum.features.NoiseScale`). Not with FSDP.
+        count_items: ``batch -> int or tensor``, counting a micro-batch's items instead.
+        noise_scale: Estimate the gradient noise scale from the micro-batch gradients and log
+            ``accum/noise_scale`` (:class:`~lightning_accum.features.NoiseScale`; not with FSDP).
         noise_scale_decay: Decay of the moving averages that smooth the estimate, in ``[0, 1)``.
-        adaptive: Double the factor when ``adaptive_target x noise scale`` reaches twice the effective batch on
-            ``adaptive_patience`` consecutive checks, ``adaptive_interval`` steps apart, up to
-            ``adaptive_max_factor``; rank zero decides for every rank (needs ``noise_scale``;
-            :class:`~lightning_accum.features.AdaptiveGrowth`). :func:`estimated_stepping_batches` is then a bound.
+        adaptive: Double the factor when the noise scale calls for a larger batch; rank zero decides for every rank
+            (needs ``noise_scale``; :class:`~lightning_accum.features.AdaptiveGrowth`).
         adaptive_target: The wanted effective batch as a multiple of the noise scale.
         adaptive_max_factor: The largest factor adaptive growth may reach.
         adaptive_interval: Optimizer steps between two adaptive checks.
         adaptive_patience: Consecutive checks that must call for growth before the factor doubles.
         log_metrics: Log the ``accum/...`` metrics once per optimizer step through every logger, with a TensorBoard
-            dashboard and summary, and show the factor and effective batch in the progress bar
-            (:class:`~lightning_accum.features.Metrics`).
+            dashboard, and show the factor in the progress bar (:class:`~lightning_accum.features.Metrics`).
 
     Raises:
-        TypeError: If an argument has the wrong type (a non-integer key or factor, a non-dict schedule).
-        ValueError: If an argument has a wrong value (an empty schedule, a negative key, a factor below 1, an unknown
-            unit, both ``scheduling`` and ``target_batch_size``, an incomplete ramp). Conflicts that need the Trainer
-            (``Trainer(accumulate_grad_batches != 1)``, a strategy that accumulates by itself such as DeepSpeed,
-            manual optimization, a target that does not divide) raise ``ValueError`` before the first batch.
+        TypeError: If an argument has the wrong type.
+        ValueError: If an argument has a wrong value, or (before the first batch) conflicts with the Trainer:
+            ``accumulate_grad_batches != 1``, a strategy that accumulates by itself (DeepSpeed), manual
+            optimization, a target batch that does not divide.
 
     Example::
 
@@ -138,26 +121,19 @@ class AccumulationScheduler(Callback):
                 f"`adaptive=True` grows the factor from the measured noise scale: set noise_scale=True as well (got"
                 f" noise_scale={noise_scale!r})"
             )
-        check_bool("noise_scale", noise_scale)
-        noise = NoiseScale(noise_scale_decay)
-        weighting = ItemWeighting(normalize_by, token_key, ignore_index, count_items)
+        # The one place features are registered, each with its switch. Every feature's arguments are checked, on or
+        # off; the order is the order events reach them: weighting publishes the items the noise scale reads, the
+        # noise scale what growth reads, growth the factor LR scaling reads, and metrics logs what all of them added.
+        registry: list[tuple[Feature, bool]] = [
+            (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
+            (NoiseScale(noise_scale_decay), check_bool("noise_scale", noise_scale)),
+            (growth, adaptive),
+            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps), True),
+            (Metrics(), check_bool("log_metrics", log_metrics)),
+        ]
+        self._features = Features(feature for feature, enabled in registry if enabled)
         self._spec = ScheduleSpec.from_args(
             scheduling, unit, target_batch_size, ramp_start_batch_size, ramp_increment, ramp_samples, micro_batch_size
-        )
-        lr = LRScaling(lr_scaling, base_batch_size, lr_warmup_steps)
-        # The one place features are registered. Every feature's arguments are checked, on or off; the order is the
-        # order each event reaches them: weighting publishes the items the noise scale reads, the noise scale what
-        # adaptive growth reads, growth the factor LR scaling reads, and metrics logs what all of them added.
-        self._features = Features(
-            feature
-            for feature, enabled in (
-                (weighting, normalize_by != "micro_batch"),
-                (noise, noise_scale),
-                (growth, adaptive),
-                (lr, True),
-                (Metrics(), check_bool("log_metrics", log_metrics)),
-            )
-            if enabled
         )
         self._ctx = Context()  # the position, the window and what features publish; handed to every event
         self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
@@ -208,10 +184,7 @@ class AccumulationScheduler(Callback):
             return
         _check_trainer(trainer, pl_module, self)
         ctx = self._ctx
-        ctx.trainer, ctx.module = trainer, pl_module
-        ctx.world_size, ctx.is_global_zero = trainer.world_size, trainer.is_global_zero
-        ctx.reduce = lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op)
-        ctx.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
+        ctx.bind(trainer, pl_module)
         if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
             ctx.samples_seen = ctx.micro_steps = 0
             ctx.window = Window()
@@ -220,15 +193,9 @@ class AccumulationScheduler(Callback):
         self._trainer_factor = trainer.accumulate_grad_batches
         self._loop = LoopControl(trainer, lambda: ctx.window.is_first, lambda: ctx.window.closed)
         self._loop.install()
-        strategy = trainer.strategy
-        if isinstance(strategy, AccumulationStrategyMixin):
-            strategy.connect_window(lambda: ctx.window.closed)
-            strategy.drop_unreduced_gradients()  # from a previous fit that ended in the middle of a window
-        elif isinstance(strategy, ModelParallelStrategy):
-            rank_zero_warn(
-                "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
-                " use lightning_accum.ModelParallelAccumulationStrategy to reduce once per optimizer step"
-            )
+        if isinstance(trainer.strategy, AccumulationStrategyMixin):
+            trainer.strategy.connect_window(lambda: ctx.window.closed)
+            trainer.strategy.drop_unreduced_gradients()  # from a previous fit that ended in the middle of a window
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -291,11 +258,7 @@ class AccumulationScheduler(Callback):
         ctx.optimizer, ctx.gradient_scale = optimizer, ctx.window.gradient_correction
         self._features.dispatch(Event.WINDOW_CLOSING, ctx)
         if ctx.gradient_scale != 1.0:
-            with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            param.grad.mul_(ctx.gradient_scale)
+            _scale_gradients(optimizer, ctx.gradient_scale)
         self._features.dispatch(Event.GRADIENT_READY, ctx)
 
     @override
@@ -356,14 +319,7 @@ class AccumulationScheduler(Callback):
             self._loop.remove()
             self._loop = None
             trainer.accumulate_grad_batches = self._trainer_factor
-        fresh = Context()  # drop every reference to the Trainer, the model and the last batch
-        self._ctx.trainer, self._ctx.module, self._ctx.optimizers = fresh.trainer, fresh.module, fresh.optimizers
-        self._ctx.reduce, self._ctx.broadcast, self._ctx.batch, self._ctx.loss = (
-            fresh.reduce,
-            fresh.broadcast,
-            None,
-            None,
-        )
+        self._ctx.release()
 
 
 def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
@@ -420,6 +376,13 @@ def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback:
                 f"Only one accumulation callback may be attached: found {type(other).__name__} beside this"
                 " AccumulationScheduler"
             )
+    if isinstance(trainer.strategy, ModelParallelStrategy) and not isinstance(
+        trainer.strategy, AccumulationStrategyMixin
+    ):
+        rank_zero_warn(
+            "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
+            " use lightning_accum.ModelParallelAccumulationStrategy to reduce once per optimizer step"
+        )
 
 
 def _count_steps(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int | None) -> int | float:
@@ -440,6 +403,14 @@ def _count_steps(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int 
         max_steps=trainer.max_steps,
         samples_per_micro_step=(micro_batch_size or 0) * trainer.world_size,
     )
+
+
+def _scale_gradients(optimizer: Any, scale: float) -> None:
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(scale)
 
 
 def _upgrade_state(state: dict[str, Any]) -> dict[str, Any]:

@@ -135,6 +135,19 @@ class Context:
     metrics: dict[str, float] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
 
+    def bind(self, trainer: Any, module: Any) -> None:
+        """Attach the run's Trainer and LightningModule (at ``setup``): ranks and collectives come from its strategy."""
+        self.trainer, self.module = trainer, module
+        self.world_size, self.is_global_zero = trainer.world_size, trainer.is_global_zero
+        self.reduce = lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op)
+        self.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
+
+    def release(self) -> None:
+        """Drop every reference to the Trainer, the model, the optimizers and the last micro-batch (after fit)."""
+        self.trainer = self.module = self.batch = self.loss = self.optimizer = None
+        self.optimizers = []
+        self.reduce, self.broadcast = _local_reduce, _local_broadcast
+
     def effective_batch(self, micro_batches: int) -> int:
         """Samples in a window of ``micro_batches`` on every rank (micro-batches when the size is unknown)."""
         return (self.micro_batch_size or 1) * micro_batches * self.world_size

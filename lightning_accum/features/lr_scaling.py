@@ -112,4 +112,4 @@ class LRScaling(Feature):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._warmup.load_state_dict(state.get("warmup", {}))
         if "base_batch_size" in state:
-            self._restored_base = float(state["base_batch_size"])
+            self._restored_base = self.base_batch_size = float(state["base_batch_size"])

@@ -81,6 +81,12 @@ def worker(rank: int, policy: str, out: Path, port: int) -> None:
         }
         (out / f"{policy}.json").write_text(json.dumps(record))
     dist.destroy_process_group()
+    # torch 2.13 can abort at interpreter exit after a profiled gloo run on a loaded machine ("terminate called
+    # without an active exception": a C++ thread still joinable when static objects are destroyed); everything this
+    # worker had to do is done and written, so leave without running those destructors
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:

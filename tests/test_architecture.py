@@ -1,0 +1,125 @@
+"""The structure docs/architecture.md describes, checked against the code.
+
+A coordinator with a few attributes of its own; features that never import each other; pure modules without
+Lightning; no import cycles; the documented table of which feature handles which event; old checkpoints load.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lightning_accum import AccumulationScheduler
+from lightning_accum.events import Event
+from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accum"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+PURE = ["schedule", "window", "scaling", "items", "noise", "adaptive", "events", "monitor", "sync", "plan"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The modules ``path`` imports at module level (imports under ``if TYPE_CHECKING`` or in functions excluded)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def test_no_feature_module_imports_another():
+    features = {name for name in MODULES if name.startswith("lightning_accum.features.")}
+    assert len(features) == 5
+    for name in features:
+        assert not (imports(MODULES[name]) & (features - {name})), name
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_pure_modules_import_no_lightning(name):
+    assert not any(
+        module.split(".")[0] in ("lightning", "pytorch_lightning")
+        for module in imports(MODULES[f"lightning_accum.{name}"])
+    )
+
+
+def test_the_package_has_no_import_cycles():
+    graph = {name: {m for m in imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+    visiting, done = set(), set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        assert name not in visiting, " -> ".join([*trail, name])
+        if name in done:
+            return
+        visiting.add(name)
+        for successor in graph[name]:
+            visit(successor, [*trail, name])
+        visiting.discard(name)
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])
+
+
+def test_the_coordinator_holds_few_attributes_of_its_own():
+    own = set(vars(AccumulationScheduler())) - set(vars(Callback()))
+    assert own == {"_spec", "_features", "_ctx", "_schedule", "_loop", "_trainer_factor"}
+
+
+def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_name():
+    callback = AccumulationScheduler({0: 2}, normalize_by="token", noise_scale=True, adaptive=True, lr_scaling="sqrt")
+    assert set(callback.state_dict()) == {
+        "samples_seen",
+        "micro_steps",
+        "window",
+        "item_weighting",
+        "noise_scale",
+        "adaptive",
+        "lr_scaling",
+        "metrics",
+    }
+    assert list(AccumulationScheduler(log_metrics=False).features) == ["lr_scaling"]
+
+
+def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
+    old = {
+        "samples_seen": 96,
+        "micro_steps": 24,
+        "window": {"size": 4, "taken": 4, "closed": True},
+        "lr_warmup": {"start": 1.0, "target": 2.0, "since": 3},
+        "base_batch_size": 16.0,
+        "adaptive": {"factor": 8, "checked_at": 20, "votes": 1},
+    }
+    callback = AccumulationScheduler({0: 2}, noise_scale=True, adaptive=True, lr_scaling="linear")
+    callback.load_state_dict(old)
+    state = callback.state_dict()
+    assert state["samples_seen"] == 96
+    assert state["lr_scaling"] == {"warmup": {"start": 1.0, "target": 2.0, "since": 3}, "base_batch_size": 16.0}
+    assert state["adaptive"]["factor"] == 8
+    assert state["adaptive"]["votes"] == 1
+
+
+def test_the_documented_event_table_is_what_each_feature_handles():
+    features = [ItemWeighting(), NoiseScale(), AdaptiveGrowth(), LRScaling(), Metrics()]
+    text = DOCS.read_text()
+    header = "| event | " + " | ".join(f"`{type(feature).__name__}`" for feature in features) + " |"
+    assert header in text
+    rows = text[text.index(header) :].splitlines()[2 : 2 + len(Event)]
+    for event, row in zip(Event, rows, strict=True):
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert re.fullmatch(rf"`{event.name}`", cells[0]), row
+        assert [cell == "x" for cell in cells[1:]] == [feature.handles(event) for feature in features], row

@@ -1,0 +1,297 @@
+"""Each feature on its own, driven through its window events without a Trainer, against plain PyTorch.
+
+``drive`` plays the coordinator's part as Lightning would: the loss divided by the window's size, backward, then at the
+window's end the gradient scale a feature set, applied once. The references are plain PyTorch computations.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
+from lightning_accum.window import Window
+from tests.helpers import make_data, make_net, make_tokens, token_loss
+
+
+def drive(features: Features, ctx: Context, net: nn.Module, batches: list[Any], loss_fn: Any) -> None:
+    """One window over ``batches``, with the events in the order the callback dispatches them around Lightning's."""
+    ctx.module = net
+    ctx.window = Window()
+    ctx.window.open(len(batches))
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    net.zero_grad(set_to_none=True)
+    for batch in batches:
+        ctx.window.take(ends_epoch=False)
+        ctx.batch = batch
+        features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        loss = loss_fn(net, batch) / ctx.window.size  # Lightning's division
+        returned = loss.detach().clone()  # what training_step's output holds, untouched by re-weighing
+        ctx.loss, ctx.loss_divisor = loss, float(ctx.window.size)
+        features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        loss.backward()
+        features.dispatch(Event.AFTER_BACKWARD, ctx)
+        if ctx.window.closed:
+            ctx.gradient_scale = ctx.window.gradient_correction
+            features.dispatch(Event.WINDOW_CLOSING, ctx)
+            with torch.no_grad():
+                for param in net.parameters():
+                    param.grad.mul_(ctx.gradient_scale)
+            features.dispatch(Event.GRADIENT_READY, ctx)
+        ctx.loss = returned
+        features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
+
+
+def mse(net: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(net(batch[0]), batch[1])
+
+
+def grads(net: nn.Module) -> list[torch.Tensor]:
+    return [param.grad.detach().clone() for param in net.parameters()]
+
+
+def big_batch_grads(loss: torch.Tensor, net: nn.Module) -> list[torch.Tensor]:
+    return [grad.detach() for grad in torch.autograd.grad(loss, list(net.parameters()))]
+
+
+def assert_close(a: list[torch.Tensor], b: list[torch.Tensor], tolerance: float = 1e-6) -> None:
+    assert max((x - y).abs().max().item() for x, y in zip(a, b, strict=True)) <= tolerance
+
+
+# ------------------------------------------------------------------ the dispatcher
+
+
+def test_features_get_only_the_events_they_override_in_registration_order():
+    seen: list[str] = []
+
+    class First(Feature):
+        name = "first"
+
+        def window_closed(self, ctx: Context) -> None:
+            seen.append("first")
+
+    class Second(Feature):
+        name = "second"
+
+        def window_closed(self, ctx: Context) -> None:
+            seen.append("second")
+
+        def before_backward(self, ctx: Context) -> None:
+            seen.append("second:backward")
+
+    features = Features([First(), Second()])
+    assert [event for event in Event if features.handle(event)] == [Event.BEFORE_BACKWARD, Event.WINDOW_CLOSED]
+    features.dispatch(Event.WINDOW_CLOSED, Context())
+    features.dispatch(Event.WINDOW_OPENED, Context())
+    assert seen == ["first", "second"]
+    assert list(features) == ["first", "second"]
+
+
+def test_the_checkpoint_holds_each_feature_under_its_name():
+    features = Features([AdaptiveGrowth(), LRScaling("sqrt", warmup_steps=3)])
+    state = features.state_dict()
+    assert set(state) == {"adaptive", "lr_scaling"}
+    assert state["lr_scaling"]["warmup"] == {"start": 1.0, "target": 1.0, "since": 0}
+    restored = Features([AdaptiveGrowth(), LRScaling("sqrt", warmup_steps=3)])
+    restored.load_state_dict({"adaptive": {"factor": 8}})  # a missing entry loads as empty
+    assert restored["adaptive"].factor == 8  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------------ item weighting
+
+
+@pytest.mark.parametrize("sizes", [[5, 1, 3], [2, 2], [7]])
+def test_sample_weighting_makes_the_window_step_on_the_mean_over_its_samples(sizes):
+    x, y = make_data(sum(sizes))
+    net, reference = make_net(), make_net()
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    batches = [(x[a:b], y[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    ctx = Context()
+    drive(Features([ItemWeighting("sample")]), ctx, net, batches, mse)
+    assert_close(grads(net), big_batch_grads(mse(reference, (x, y)), reference))
+    assert ctx.window_items == sum(sizes)
+
+
+def test_token_weighting_makes_the_window_step_on_the_mean_over_its_tokens():
+    tokens = make_tokens(9, seed=3)
+    net, reference = make_net(), make_net()
+    batches = [{key: value[a:b] for key, value in tokens.items()} for a, b in ((0, 2), (2, 7), (7, 9))]
+    ctx = Context()
+    drive(
+        Features([ItemWeighting("token")]),
+        ctx,
+        net,
+        batches,
+        lambda model, batch: token_loss(model, batch["features"], batch["labels"]),
+    )
+    expected = big_batch_grads(token_loss(reference, tokens["features"], tokens["labels"]), reference)
+    assert_close(grads(net), expected)
+    assert ctx.window_items == int((tokens["labels"] != -100).sum())
+
+
+def test_item_weighting_is_picklable_for_ddp_spawn():
+    for feature in (ItemWeighting("token", token_key="y"), ItemWeighting("sample")):
+        assert pickle.loads(pickle.dumps(feature)).normalize_by == feature.normalize_by
+
+
+# ------------------------------------------------------------------ noise scale
+
+
+def test_noise_scale_matches_the_unbiased_estimators_computed_directly():
+    x, y = make_data(24, seed=5)
+    net = make_net()
+    batches = [(x[i : i + 6], y[i : i + 6]) for i in range(0, 24, 6)]
+    ctx = Context()
+    drive(Features([NoiseScale(decay=0.0)]), ctx, net, batches, mse)
+    # plain PyTorch: each micro-batch's mean-loss gradient and the window's, then McCandlish et al.'s A.1
+    reference = make_net()
+    small = [torch.cat([g.flatten() for g in big_batch_grads(mse(reference, b), reference)]) for b in batches]
+    big = torch.cat([g.flatten() for g in big_batch_grads(mse(reference, (x, y)), reference)])
+    n, b = len(batches), 6
+    s_small = torch.stack([(g @ g) for g in small]).mean().item()
+    s_big = (big @ big).item()
+    grad_sq = (n * s_big - s_small) / (n - 1)
+    trace = b * n * (s_small - s_big) / (n - 1)
+    assert ctx.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
+    assert ctx.noise_batch == (pytest.approx(24.0), 4)
+
+
+def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publishes():
+    x, y = make_data(12, seed=6)
+    sizes = [(0, 2), (2, 9), (9, 12)]
+    batches = [(x[a:b], y[a:b]) for a, b in sizes]
+    weighted, plain = Context(), Context()
+    drive(Features([ItemWeighting("sample"), NoiseScale(decay=0.0)]), weighted, make_net(), batches, mse)
+    assert weighted.noise_batch == (12.0, 3)  # the window's samples, as item weighting counted them
+    drive(Features([NoiseScale(decay=0.0)]), plain, make_net(), batches, mse)
+    assert plain.noise_batch is not None
+    assert plain.noise_batch[0] != pytest.approx(12.0)  # micro-batch means: n / mean(1 / b_i)
+
+
+def test_noise_scale_hooks_are_removed_at_fit_end():
+    net = make_net()
+    feature = NoiseScale()
+    ctx = Context(module=net)
+    ctx.window.open(2)
+    feature.window_opened(ctx)
+    assert all(param._backward_hooks for param in net.parameters())
+    feature.fit_end(ctx)
+    assert not any(param._backward_hooks for param in net.parameters())
+
+
+# ------------------------------------------------------------------ adaptive growth
+
+
+def test_adaptive_growth_doubles_after_patience_checks_and_broadcasts_rank_zeros_decision():
+    growth = AdaptiveGrowth(target=1.0, max_factor=8, interval=2, patience=2)
+    features = Features([growth])
+    decided: list[int] = []
+    ctx = Context(factor=2, is_global_zero=False, broadcast=lambda value: decided.append(value) or 4)
+    ctx.noise_scale, ctx.noise_batch = 100.0, (16.0, 2)
+    features.dispatch(Event.WINDOW_CLOSED, ctx)
+    ctx.optimizer_steps = 2
+    features.dispatch(Event.WINDOW_OPENING, ctx)
+    assert decided == [2]  # a non-zero rank proposes nothing of its own and takes rank zero's answer
+    assert ctx.factor == 4
+    assert growth.factor == 4
+
+
+def test_adaptive_growth_resumes_with_the_measurement_it_decides_from():
+    def run(steps: range, growth: AdaptiveGrowth) -> list[int]:
+        features, factors = Features([growth]), []
+        for step in steps:
+            ctx = Context(factor=2, optimizer_steps=step)
+            features.dispatch(Event.WINDOW_OPENING, ctx)
+            factors.append(ctx.factor)
+            ctx.noise_scale, ctx.noise_batch = 10.0 * step, (4.0 * ctx.factor, ctx.factor)
+            features.dispatch(Event.WINDOW_CLOSED, ctx)
+        return factors
+
+    whole = run(range(12), AdaptiveGrowth(interval=2, patience=2, max_factor=64))
+    first = AdaptiveGrowth(interval=2, patience=2, max_factor=64)
+    head = run(range(6), first)
+    resumed = AdaptiveGrowth(interval=2, patience=2, max_factor=64)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert head + run(range(6, 12), resumed) == whole
+    assert whole[-1] > 2
+
+
+# ------------------------------------------------------------------ LR scaling
+
+
+def test_lr_scaling_applies_the_scale_inside_the_step_only_and_warms_it_up():
+    param = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    lr = LRScaling("linear", base_batch_size=4, warmup_steps=2)
+    features = Features([lr])
+    ctx = Context(micro_batch_size=2, optimizers=[optimizer], factor=2)
+    features.dispatch(Event.FIT_START, ctx)
+    assert ctx.summary == ["lr 0.1 x (4/4) = 0.1"]
+    used = []
+    for step, factor in enumerate([2, 4, 4, 4]):
+        ctx.factor, ctx.optimizer_steps = factor, step
+        features.dispatch(Event.WINDOW_OPENED, ctx)
+        before = param.item()
+        param.grad = torch.ones(1)
+        optimizer.step()
+        used.append(round(before - param.item(), 9))
+        assert optimizer.param_groups[0]["lr"] == 0.1  # the scheduler's value, outside the step
+        ctx.metrics = {}
+        features.dispatch(Event.WINDOW_CLOSED, ctx)
+        assert ctx.metrics["accum/lr"] == pytest.approx(used[-1])
+    assert used == pytest.approx([0.1, 0.1, 0.15, 0.2])  # from step 1 the target 2 is reached over 2 steps
+    features.dispatch(Event.FIT_END, ctx)
+    optimizer.step()
+    assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_lr_scaling_refuses_a_base_in_samples_without_the_micro_batch_size():
+    with pytest.raises(ValueError, match="base_batch_size=64"):
+        LRScaling("sqrt", base_batch_size=64).fit_start(Context(micro_batch_size=None))
+
+
+# ------------------------------------------------------------------ metrics
+
+
+class ListLogger:
+    def __init__(self) -> None:
+        self.logged: list[tuple[dict[str, float], int]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.logged.append((metrics, step))
+
+
+class LoggingTrainer:
+    def __init__(self) -> None:
+        self.loggers = [ListLogger()]
+
+
+def test_metrics_logs_its_own_values_and_every_other_features_in_one_call():
+    trainer = LoggingTrainer()
+    x, y = make_data(8)
+    net = make_net()
+    features = Features([ItemWeighting("sample"), Metrics()])
+    ctx = Context(micro_batch_size=4, trainer=trainer, module=net)
+    batches = [(x[:3], y[:3]), (x[3:8], y[3:8])]
+    drive(features, ctx, net, batches, mse)
+    ctx.optimizer_steps, ctx.metrics = 1, {}
+    features.dispatch(Event.WINDOW_CLOSED, ctx)
+    ((metrics, step),) = trainer.loggers[0].logged
+    assert step == 1
+    assert metrics["accum/window_samples"] == 8.0
+    expected_loss = mse(net, (x, y)).item()  # the mean over the window's 8 samples, not of the two means
+    assert metrics["accum/window_loss"] == pytest.approx(expected_loss, rel=1e-6)
+    assert metrics["accum/factor"] == 1.0
+    assert "accum/memory_rss_mb" in metrics
+
+
+def test_metrics_logs_nothing_on_other_ranks():
+    trainer = LoggingTrainer()
+    Metrics().window_closed(Context(is_global_zero=False, trainer=trainer, module=make_net()))
+    assert trainer.loggers[0].logged == []
