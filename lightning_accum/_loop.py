@@ -1,29 +1,42 @@
-"""Route Lightning's two accumulation decisions to the window.
+"""Route Lightning's accumulation decisions to the window, only while the callback's windows are in charge.
 
 Lightning 2.6 decides *where a window ends* in ``_TrainingEpochLoop._should_accumulate``
-(``batch_progress.current.ready % trainer.accumulate_grad_batches``, or the epoch's last batch) and *where gradients
-are zeroed* in ``_AutomaticOptimization._make_zero_grad_fn`` (``batch_idx % trainer.accumulate_grad_batches``). The
-two agree only while the factor is constant from the start of the epoch: a change in the middle of an epoch skips a
-``zero_grad`` or zeroes half a window. No public hook lets a callback make either decision, so while the callback is
-attached these two bound methods are shadowed on the Trainer's own loop instances and restored afterwards. The
-divisor Lightning applies to each loss stays ``trainer.accumulate_grad_batches``, which the callback sets to the
-window's size. ``tests/test_lightning_contract.py`` fails if this private behaviour changes.
+(``batch_progress.current.ready % trainer.accumulate_grad_batches``, or the epoch's last batch), *where gradients
+are zeroed* in ``_AutomaticOptimization._make_zero_grad_fn`` (``batch_idx % trainer.accumulate_grad_batches``), and
+*which step-interval LR schedulers step* in ``_TrainingEpochLoop.update_lr_schedulers`` (``(batch_idx + 1) %
+frequency``, counting batches of the epoch). The first two agree only while the factor is constant from the start of
+an epoch, and the third counts batches where ``frequency`` means optimizer steps. No public hook lets a callback make
+these decisions, so :class:`LoopControl` shadows the three bound methods on the Trainer's own loop instances while
+the callback's windows are in charge, and gives them back otherwise:
 
-This module owns only that routing: it never decides a boundary itself.
+- before training starts (a tuner's ``lr_find`` or ``scale_batch_size`` runs the loop from ``on_fit_start``) and
+  whenever another component has set ``trainer.accumulate_grad_batches`` itself (``StochasticWeightAveraging``'s
+  BatchNorm epoch), Lightning's own arithmetic applies, with ``trainer.accumulate_grad_batches`` at the factor the
+  callback's first window would have, or at the other component's value;
+- after ``fit`` the Trainer's own ``accumulate_grad_batches`` is put back.
+
+The divisor Lightning applies to each loss stays ``trainer.accumulate_grad_batches``, which the callback sets to the
+window's size. ``tests/test_lightning_contract.py`` fails if this private behaviour changes. This module owns only
+that routing: it never decides a boundary itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 
-_SHADOWED = (("epoch_loop", "_should_accumulate"), ("automatic_optimization", "_make_zero_grad_fn"))
+_SHADOWED = (
+    ("epoch_loop", "_should_accumulate"),
+    ("epoch_loop", "update_lr_schedulers"),
+    ("automatic_optimization", "_make_zero_grad_fn"),
+)
 
 
 class LoopControl:
-    """Make the Trainer's fit loop step and zero gradients where the window says.
+    """Own ``trainer.accumulate_grad_batches`` and, while in charge, Lightning's accumulation decisions.
 
     Args:
         trainer: The Trainer whose loops to route.
@@ -36,13 +49,30 @@ class LoopControl:
         self._starts_window = starts_window
         self._ends_window = ends_window
         self._targets: list[Any] = []
+        self._own = trainer.accumulate_grad_batches  # the Trainer's own value, given back by release()
+        self._factor = self._own  # the value this control last set
+
+    @property
+    def in_charge(self) -> bool:
+        """Whether the decisions are routed to the window now."""
+        return bool(self._targets)
+
+    def set_factor(self, factor: int) -> None:
+        """Set ``trainer.accumulate_grad_batches`` (the divisor of each loss, and the factor outside the windows)."""
+        self._trainer.accumulate_grad_batches = self._factor = factor
+
+    def changed_elsewhere(self) -> bool:
+        """Whether something other than this control has set ``trainer.accumulate_grad_batches`` since it last did."""
+        return self._trainer.accumulate_grad_batches != self._factor
 
     def install(self) -> None:
-        """Shadow the two decisions on the Trainer's loop instances.
+        """Shadow the decisions on the Trainer's loop instances (nothing happens if they already are).
 
         Raises:
             RuntimeError: If this Lightning version no longer has the methods that are routed.
         """
+        if self._targets:
+            return
         epoch_loop = self._trainer.fit_loop.epoch_loop
         owners = {"epoch_loop": epoch_loop, "automatic_optimization": epoch_loop.automatic_optimization}
         for owner, name in _SHADOWED:
@@ -52,32 +82,71 @@ class LoopControl:
                     f" {pl.__version__} does not have: install a lightning version within the range that"
                     " lightning_accum pins"
                 )
-        optimization: Any = owners["automatic_optimization"]
-        lightning_zero_grad_fn = optimization._make_zero_grad_fn
-
-        progress: Any = epoch_loop.batch_progress.current
-
-        def should_accumulate() -> bool:
-            # a batch that never started (on_train_batch_start returned -1) must not step the LR schedulers
-            return progress.started < progress.ready or not self._ends_window()
-
-        def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
-            if not self._starts_window():
-                return None
-            # Lightning's own builder keeps its hooks and progress counters; with a divisor of 1 it never skips.
-            trainer = self._trainer
-            divisor, trainer.accumulate_grad_batches = trainer.accumulate_grad_batches, 1
-            try:
-                return lightning_zero_grad_fn(batch_idx, optimizer)
-            finally:
-                trainer.accumulate_grad_batches = divisor
-
-        epoch_loop._should_accumulate = should_accumulate  # type: ignore[method-assign]
-        optimization._make_zero_grad_fn = make_zero_grad_fn
-        self._targets = [(epoch_loop, "_should_accumulate"), (optimization, "_make_zero_grad_fn")]
+        routed = {
+            "_should_accumulate": self._should_accumulate(epoch_loop),
+            "update_lr_schedulers": self._update_lr_schedulers(epoch_loop),
+            "_make_zero_grad_fn": self._make_zero_grad_fn(owners["automatic_optimization"]),
+        }
+        for owner, name in _SHADOWED:
+            setattr(owners[owner], name, routed[name])
+            self._targets.append((owners[owner], name))
 
     def remove(self) -> None:
         """Give the decisions back to Lightning; safe to call more than once."""
         for owner, name in self._targets:
             owner.__dict__.pop(name, None)
         self._targets = []
+
+    def release(self) -> None:
+        """Give the decisions and the Trainer's own ``accumulate_grad_batches`` back."""
+        self.remove()
+        self.set_factor(self._own)
+
+    def _should_accumulate(self, epoch_loop: Any) -> Callable[[], bool]:
+        progress = epoch_loop.batch_progress.current
+
+        def should_accumulate() -> bool:
+            # a batch that never started (on_train_batch_start returned -1) must not step the LR schedulers
+            return progress.started < progress.ready or not self._ends_window()
+
+        return should_accumulate
+
+    def _update_lr_schedulers(self, epoch_loop: Any) -> Callable[[str, bool], None]:
+        lightning_update = epoch_loop.update_lr_schedulers
+        trainer = self._trainer
+
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            configs = trainer.strategy.lr_scheduler_configs
+            if interval != "step" or not any(config.frequency > 1 for config in configs):
+                lightning_update(interval, update_plateau_schedulers)
+                return
+            # `frequency` counts optimizer steps: hand Lightning only the step schedulers due at this optimizer
+            # step, each as due on every call (the copies share the scheduler objects)
+            due = [
+                dataclasses.replace(config, frequency=1)
+                for config in configs
+                if config.interval == "step" and trainer.global_step % config.frequency == 0
+            ]
+            trainer.strategy.lr_scheduler_configs = due
+            try:
+                lightning_update(interval, update_plateau_schedulers)
+            finally:
+                trainer.strategy.lr_scheduler_configs = configs
+
+        return update_lr_schedulers
+
+    def _make_zero_grad_fn(self, optimization: Any) -> Callable[[int, Any], Any]:
+        lightning_zero_grad_fn = optimization._make_zero_grad_fn
+        trainer = self._trainer
+
+        def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
+            if not self._starts_window():
+                return None
+            # Lightning's own builder keeps its hooks and progress counters; with a divisor of 1 it never skips.
+            divisor, trainer.accumulate_grad_batches = trainer.accumulate_grad_batches, 1
+            try:
+                return lightning_zero_grad_fn(batch_idx, optimizer)
+            finally:
+                trainer.accumulate_grad_batches = divisor
+
+        return make_zero_grad_fn

@@ -14,15 +14,16 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
 from lightning_accum.events import Context, Event, Feature, Features
-from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
+from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, count_optimizer_steps
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.window import Window
@@ -129,6 +130,7 @@ class AccumulationScheduler(Callback):
             (NoiseScale(noise_scale_decay), check_bool("noise_scale", noise_scale)),
             (growth, adaptive),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps), True),
+            (ProgressBar(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
         ]
         self._features = Features(feature for feature, enabled in registry if enabled)
@@ -137,8 +139,7 @@ class AccumulationScheduler(Callback):
         )
         self._ctx = Context()  # the position, the window and what features publish; handed to every event
         self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
-        self._loop: LoopControl | None = None
-        self._trainer_factor = 1  # the Trainer's own accumulate_grad_batches, given back after fit
+        self._loop: LoopControl | None = None  # from setup to teardown
 
     @property
     def factor(self) -> int:
@@ -190,9 +191,10 @@ class AccumulationScheduler(Callback):
             ctx.window = Window()
             self._features.reset()
         self._features.dispatch(Event.SETUP, ctx)
-        self._trainer_factor = trainer.accumulate_grad_batches
         self._loop = LoopControl(trainer, lambda: ctx.window.is_first, lambda: ctx.window.closed)
-        self._loop.install()
+        # what runs the loop before the windows take charge (a tuner, from on_fit_start) accumulates as stock
+        # Lightning would with the first window's factor
+        self._loop.set_factor(_factor_before_training(trainer, self._spec, ctx.samples_seen))
         if isinstance(trainer.strategy, AccumulationStrategyMixin):
             trainer.strategy.connect_window(lambda: ctx.window.closed)
             trainer.strategy.drop_unreduced_gradients()  # from a previous fit that ended in the middle of a window
@@ -206,9 +208,10 @@ class AccumulationScheduler(Callback):
         )
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
-        ctx.factor, ctx.summary = self._scheduled_factor(trainer), []
+        ctx.schedule, ctx.factor, ctx.summary = self._schedule, self._scheduled_factor(trainer), []
         self._features.dispatch(Event.FIT_START, ctx)
-        if self._schedule.max_factor > 1:
+        if self._schedule.max_factor > 1 or self._features.handle(Event.WINDOW_OPENING):
+            _warn_if_optimization_hooks_are_overridden(pl_module)
             steps = _count_steps(trainer, self._spec, ctx.micro_batch_size)
             bound = " at most" if self._features.handle(Event.WINDOW_OPENING) else ""
             rank_zero_info(
@@ -227,6 +230,8 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
+        if not self._take_charge(trainer):
+            return
         ctx = self._ctx
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
@@ -236,7 +241,7 @@ class AccumulationScheduler(Callback):
             self._features.dispatch(Event.WINDOW_OPENING, ctx)
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
             ctx.window.open(int(min(ctx.factor, trainer.num_training_batches - batch_idx)))
-            trainer.accumulate_grad_batches = ctx.window.size  # the divisor Lightning applies to each loss
+            self._loop.set_factor(ctx.window.size)  # type: ignore[union-attr]  # the divisor of each loss
             self._features.dispatch(Event.WINDOW_OPENED, ctx)
         ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
         ctx.batch = batch
@@ -244,15 +249,20 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if not self._in_charge:
+            return
         self._ctx.loss, self._ctx.loss_divisor = loss, float(self._ctx.window.size)
         self._features.dispatch(Event.BEFORE_BACKWARD, self._ctx)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._features.dispatch(Event.AFTER_BACKWARD, self._ctx)
+        if self._in_charge:
+            self._features.dispatch(Event.AFTER_BACKWARD, self._ctx)
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not self._in_charge:
+            return
         ctx = self._ctx
         # the gradient holds sum(grad_i) / size; only an epoch of unknown length ends a window before it is full
         ctx.optimizer, ctx.gradient_scale = optimizer, ctx.window.gradient_correction
@@ -263,6 +273,8 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        if not self._in_charge:
+            return
         ctx = self._ctx
         ctx.samples_seen += ctx.samples_per_micro_step
         ctx.micro_steps += 1
@@ -305,6 +317,30 @@ class AccumulationScheduler(Callback):
             )
             ctx.window.discard()
 
+    @property
+    def _in_charge(self) -> bool:
+        return self._loop is not None and self._loop.in_charge
+
+    def _take_charge(self, trainer: pl.Trainer) -> bool:
+        """Whether the windows run this micro-step: not while another component sets the factor itself."""
+        assert self._loop is not None, "setup creates the loop control"
+        if not self._loop.changed_elsewhere():
+            self._loop.install()
+            return True
+        if not self._ctx.window.closed:
+            raise RuntimeError(
+                f"`trainer.accumulate_grad_batches` was set to {trainer.accumulate_grad_batches} in the middle of an"
+                f" accumulation window of {self._ctx.window.size} micro-batches, which AccumulationScheduler sets"
+                " itself: change it between epochs (it is then followed), or give the factor to AccumulationScheduler"
+            )
+        if self._loop.in_charge:  # follow it: Lightning's own accumulation until it is set back
+            self._loop.remove()
+            rank_zero_info(
+                f"AccumulationScheduler: another component set `trainer.accumulate_grad_batches ="
+                f" {trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back"
+            )
+        return False
+
     def _scheduled_factor(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"
         position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": self._ctx.samples_seen}
@@ -316,9 +352,8 @@ class AccumulationScheduler(Callback):
         if isinstance(trainer.strategy, AccumulationStrategyMixin):
             trainer.strategy.connect_window(None)
         if self._loop is not None:
-            self._loop.remove()
+            self._loop.release()
             self._loop = None
-            trainer.accumulate_grad_batches = self._trainer_factor
         self._ctx.release()
 
 
@@ -403,6 +438,31 @@ def _count_steps(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int 
         max_steps=trainer.max_steps,
         samples_per_micro_step=(micro_batch_size or 0) * trainer.world_size,
     )
+
+
+def _factor_before_training(trainer: pl.Trainer, spec: ScheduleSpec, samples_seen: int) -> int:
+    """The first window's factor, for what runs the loop before the windows take charge (a tuner)."""
+    position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": samples_seen}
+    factor = spec.factor_before_loading(position, trainer.world_size)
+    if factor is not None:
+        return factor
+    if any(isinstance(callback, LearningRateFinder) for callback in trainer.callbacks):  # type: ignore[attr-defined]
+        raise ValueError(
+            f"`lr_find` runs before AccumulationScheduler can read the micro-batch size from the train dataloader, so"
+            f" it cannot accumulate to `target_batch_size={spec.target_batch_size}`: pass `micro_batch_size` to"
+            " AccumulationScheduler"
+        )
+    return 1  # a batch-size search: its trials measure memory, and the size it finds sets the factor
+
+
+def _warn_if_optimization_hooks_are_overridden(pl_module: pl.LightningModule) -> None:
+    overridden = [name for name in ("optimizer_step", "optimizer_zero_grad") if is_overridden(name, pl_module)]
+    if overridden:
+        hooks = " and ".join(f"`LightningModule.{name}`" for name in overridden)
+        rank_zero_warn(
+            f"AccumulationScheduler: {hooks} {'is' if len(overridden) == 1 else 'are'} overridden; under"
+            " accumulation they run once per optimizer step (once per window of micro-batches), not on every batch"
+        )
 
 
 def _scale_gradients(optimizer: Any, scale: float) -> None:

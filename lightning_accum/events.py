@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_accum.schedule import Schedule
 from lightning_accum.window import Window
 
 
@@ -82,11 +83,13 @@ class Context:
         module: The LightningModule (any ``nn.Module`` in a test).
         optimizers: The optimizers, from ``FIT_START``.
         trainer: The Trainer, for glue that needs more than the above; ``None`` in a test.
+        schedule: The run's schedule, from ``FIT_START``.
         optimizer_steps: Optimizer steps taken (``trainer.global_step``), current at window events.
         samples_seen: Samples consumed by all ranks together (``micro_batch_size x world_size`` per micro-step).
         micro_steps: Micro-batches trained on by one rank.
         window: The window in progress.
         factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
+        factor_floor: Published at ``WINDOW_OPENING`` by adaptive growth: the smallest factor from now on.
         batch: The micro-batch in progress.
         loss: At ``BEFORE_BACKWARD`` the tensor backward runs on (the micro-batch's loss divided by
             ``loss_divisor``; a feature may re-weigh it in place); at ``MICRO_BATCH_ENDED`` the loss
@@ -120,8 +123,11 @@ class Context:
     samples_seen: int = 0
     micro_steps: int = 0
 
+    schedule: Schedule | None = None
+
     window: Window = field(default_factory=Window)
     factor: int = 1
+    factor_floor: int = 1
     batch: Any = None
     loss: torch.Tensor | None = None
     loss_divisor: float | torch.Tensor = 1.0

@@ -343,6 +343,25 @@ class ScheduleSpec:
             check_int("micro_batch_size", micro_batch_size, 1)
         return cls(points, checked_unit, target_batch_size, ramp, micro_batch_size)
 
+    def factor_before_loading(self, position: Mapping[str, int], world_size: int) -> int | None:
+        """The factor at ``position`` if it is known before the train dataloader is loaded, else ``None``.
+
+        ``position`` maps each unit to a position; ``None`` comes back when the factor needs the loader's batch size (a
+        target or ramp without ``micro_batch_size``).
+
+        Example::
+
+            >>> ScheduleSpec.from_args({0: 2, 10: 4}, unit="step").factor_before_loading({"step": 12}, world_size=1)
+            4
+        """
+        if self.scheduling is not None:
+            schedule = Schedule.from_mapping(self.scheduling, self.unit)
+        elif self.target_batch_size is not None and self.micro_batch_size is None:
+            return None
+        else:
+            schedule = self.build(self.micro_batch_size, world_size)
+        return schedule.factor_at(position[schedule.unit])
+
     def build(self, micro_batch_size: int | None, world_size: int) -> Schedule:
         """The schedule for a run with this micro-batch size (per rank) and world size.
 
@@ -357,6 +376,63 @@ class ScheduleSpec:
         return build_schedule(
             self.scheduling, self.unit, self.target_batch_size, self.ramp, micro_batch_size, world_size
         )
+
+
+def run_epoch(
+    schedule: Schedule,
+    batches_per_epoch: int,
+    epoch: int = 0,
+    first_batch: int = 0,
+    steps: int = 0,
+    samples: int = 0,
+    max_steps: int = -1,
+    samples_per_micro_step: int = 1,
+    min_factor: int = 1,
+) -> tuple[int, int, int]:
+    """The windows of one epoch from ``first_batch`` on, until the epoch's end or ``max_steps``.
+
+    Windows never span an epoch boundary: the last window of an epoch may be incomplete and still steps. A factor
+    change takes effect at the first window that starts at or after its position. The factor is at least
+    ``min_factor`` (the floor adaptive growth has reached).
+
+    Args:
+        schedule: The accumulation schedule.
+        batches_per_epoch: Micro-batches per epoch on each rank.
+        epoch: The epoch.
+        first_batch: The micro-batch of the epoch where the first window opens.
+        steps: Optimizer steps taken before it.
+        samples: Samples consumed (all ranks) before it.
+        max_steps: Optimizer steps after which training stops; -1 for no limit.
+        samples_per_micro_step: Samples all ranks consume together in one micro-step (micro-batch x world size).
+        min_factor: The smallest factor a window may have.
+
+    Returns:
+        ``(micro-batches, optimizer steps, samples)`` of the epoch from ``first_batch`` on.
+
+    Example::
+
+        >>> run_epoch(Schedule.from_mapping({0: 2, 3: 4}, unit="step"), batches_per_epoch=20, max_steps=5)
+        (14, 5, 14)
+    """
+    batch, taken_steps, taken_samples = first_batch, 0, 0
+    while batch < batches_per_epoch and (max_steps < 0 or steps + taken_steps < max_steps):
+        step, sample = steps + taken_steps, samples + taken_samples
+        position = {"epoch": epoch, "step": step, "sample": sample}[schedule.unit]
+        factor = max(schedule.factor_at(position), min_factor)
+        left = batches_per_epoch - batch
+        windows = math.ceil(left / factor)  # the rest of the epoch, last window possibly incomplete
+        change = schedule.next_change(position)
+        if change is not None and schedule.unit == "step":
+            windows = min(windows, change - step)
+        elif change is not None and schedule.unit == "sample":
+            windows = min(windows, math.ceil((change - sample) / (factor * samples_per_micro_step)))
+        if max_steps >= 0:
+            windows = min(windows, max_steps - step)
+        used = min(windows * factor, left)
+        batch += used
+        taken_steps += windows
+        taken_samples += used * samples_per_micro_step
+    return batch - first_batch, taken_steps, taken_samples
 
 
 def count_optimizer_steps(
@@ -392,22 +468,8 @@ def count_optimizer_steps(
         return 0
     steps = samples = epoch = 0
     while (max_epochs < 0 or epoch < max_epochs) and (max_steps < 0 or steps < max_steps):
-        batch = 0
-        while batch < batches_per_epoch and (max_steps < 0 or steps < max_steps):
-            position = {"epoch": epoch, "step": steps, "sample": samples}[schedule.unit]
-            factor = schedule.factor_at(position)
-            left = batches_per_epoch - batch
-            windows = math.ceil(left / factor)  # the rest of the epoch, last window possibly incomplete
-            change = schedule.next_change(position)
-            if change is not None and schedule.unit == "step":
-                windows = min(windows, change - steps)
-            elif change is not None and schedule.unit == "sample":
-                windows = min(windows, math.ceil((change - samples) / (factor * samples_per_micro_step)))
-            if max_steps >= 0:
-                windows = min(windows, max_steps - steps)
-            used = min(windows * factor, left)
-            batch += used
-            steps += windows
-            samples += used * samples_per_micro_step
-        epoch += 1
+        _, epoch_steps, epoch_samples = run_epoch(
+            schedule, batches_per_epoch, epoch, 0, steps, samples, max_steps, samples_per_micro_step
+        )
+        steps, samples, epoch = steps + epoch_steps, samples + epoch_samples, epoch + 1
     return steps

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.events import Event
-from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
+from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accum"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
@@ -44,7 +44,7 @@ MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 def test_no_feature_module_imports_another():
     features = {name for name in MODULES if name.startswith("lightning_accum.features.")}
-    assert len(features) == 5
+    assert len(features) == 6
     for name in features:
         assert not (imports(MODULES[name]) & (features - {name})), name
 
@@ -77,7 +77,7 @@ def test_the_package_has_no_import_cycles():
 
 def test_the_coordinator_holds_few_attributes_of_its_own():
     own = set(vars(AccumulationScheduler())) - set(vars(Callback()))
-    assert own == {"_spec", "_features", "_ctx", "_schedule", "_loop", "_trainer_factor"}
+    assert own == {"_spec", "_features", "_ctx", "_schedule", "_loop"}
 
 
 def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_name():
@@ -90,9 +90,10 @@ def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_na
         "noise_scale",
         "adaptive",
         "lr_scaling",
+        "progress_bar",
         "metrics",
     }
-    assert list(AccumulationScheduler(log_metrics=False).features) == ["lr_scaling"]
+    assert list(AccumulationScheduler(log_metrics=False).features) == ["lr_scaling", "progress_bar"]
 
 
 def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
@@ -114,7 +115,7 @@ def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
 
 
 def test_the_documented_event_table_is_what_each_feature_handles():
-    features = [ItemWeighting(), NoiseScale(), AdaptiveGrowth(), LRScaling(), Metrics()]
+    features = [ItemWeighting(), NoiseScale(), AdaptiveGrowth(), LRScaling(), ProgressBar(), Metrics()]
     text = DOCS.read_text()
     header = "| event | " + " | ".join(f"`{type(feature).__name__}`" for feature in features) + " |"
     assert header in text

@@ -21,6 +21,11 @@ def test_the_routed_methods_exist_with_the_expected_signatures():
         "batch_idx",
         "optimizer",
     ]
+    assert list(inspect.signature(_TrainingEpochLoop.update_lr_schedulers).parameters) == [
+        "self",
+        "interval",
+        "update_plateau_schedulers",
+    ]
 
 
 def test_lightning_divides_each_loss_by_accumulate_grad_batches():
@@ -59,7 +64,82 @@ def test_lightning_consults_the_shadowed_decisions_and_gets_them_back():
     spy.control.remove()
     epoch_loop = fit_trainer.fit_loop.epoch_loop
     assert "_should_accumulate" not in vars(epoch_loop)
+    assert "update_lr_schedulers" not in vars(epoch_loop)
     assert "_make_zero_grad_fn" not in vars(epoch_loop.automatic_optimization)
+
+
+def test_step_schedulers_step_from_the_configs_the_strategy_holds_when_the_loop_asks():
+    """LoopControl hands Lightning only the step schedulers due at an optimizer step, by swapping that list."""
+    x, y = make_data(24)
+    stepped = []
+
+    class Module(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step", "frequency": 2}]
+
+        def lr_scheduler_step(self, scheduler, metric):
+            stepped.append(self.trainer.global_step)
+            scheduler.step()
+
+    class HideSchedulers(Callback):
+        def on_train_batch_end(self, trainer, *_):
+            if trainer.global_step == 3:  # from here on the loop finds no scheduler to step
+                trainer.strategy.lr_scheduler_configs = []
+
+    trainer([HideSchedulers()], max_epochs=1).fit(Module(), loader(x, y, 4))  # 6 batches
+    assert stepped == [2]  # (batch_idx + 1) % frequency counts batches; the list is read on every call
+
+
+def test_tuners_run_the_loop_from_on_fit_start_with_only_their_own_callback(tmp_path):
+    """AccumulationScheduler takes charge at on_train_start: the tuner's loop never runs its hooks or routing."""
+    from lightning.pytorch.tuner import Tuner
+
+    x, y = make_data(64)
+    calls = []
+
+    class Spy(Callback):
+        def on_fit_start(self, *_):
+            calls.append("fit_start")
+
+        def on_train_start(self, *_):
+            calls.append("train_start")
+
+        def on_train_batch_start(self, *_):
+            calls.append("batch")
+
+    class Module(RegressionModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    module = Module()
+    module.lr = 0.1
+    tuner_trainer = trainer([Spy()], max_epochs=1, default_root_dir=tmp_path)
+    Tuner(tuner_trainer).lr_find(module, loader(x, y, 4), num_training=5)
+    assert calls == []  # the finder runs first in on_fit_start, with only its own callback, then ends the fit
+
+
+def test_swa_sets_accumulate_grad_batches_for_its_batch_norm_epoch_and_gives_it_back():
+    """AccumulationScheduler follows a factor another component sets between epochs (tests/test_lightning_compat.py)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from torch import nn
+
+    x, y = make_data(16)
+    seen = []
+
+    class WithBatchNorm(RegressionModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(x.shape[1], 8), nn.BatchNorm1d(8), nn.Linear(8, y.shape[1]))
+
+    class Spy(Callback):
+        def on_train_batch_start(self, trainer, *_):
+            seen.append((trainer.current_epoch, trainer.accumulate_grad_batches))
+
+    swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    trainer([swa, Spy()], max_epochs=2, accumulate_grad_batches=2).fit(WithBatchNorm(), loader(x, y, 4))
+    assert sorted(set(seen)) == [(0, 2), (1, 2), (2, 5)]  # the extra epoch: one window longer than the epoch
 
 
 def test_on_before_backward_receives_the_fresh_quotient_that_backward_runs_on():

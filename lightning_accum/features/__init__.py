@@ -10,5 +10,6 @@ from lightning_accum.features.item_weighting import ItemWeighting
 from lightning_accum.features.lr_scaling import LRScaling
 from lightning_accum.features.metrics import Metrics
 from lightning_accum.features.noise_scale import NoiseScale
+from lightning_accum.features.progress_bar import ProgressBar
 
-__all__ = ["AdaptiveGrowth", "ItemWeighting", "LRScaling", "Metrics", "NoiseScale"]
+__all__ = ["AdaptiveGrowth", "ItemWeighting", "LRScaling", "Metrics", "NoiseScale", "ProgressBar"]

@@ -72,7 +72,7 @@ class AdaptiveGrowth(Feature):
         if self._policy.due(step) and step != self._checked_at:
             self._checked_at = step
             self._check(ctx, current=max(ctx.factor, self.factor))
-        ctx.factor = max(ctx.factor, self.factor)
+        ctx.factor, ctx.factor_floor = max(ctx.factor, self.factor), max(1, self.factor)
 
     def _check(self, ctx: Context, current: int) -> None:
         # the batch the next windows would have, in the noise scale's own unit (samples or tokens, as measured)
