@@ -9,10 +9,12 @@ an epoch, and the third counts batches where ``frequency`` means optimizer steps
 these decisions, so :class:`LoopControl` shadows the three bound methods on the Trainer's own loop instances while
 the callback's windows are in charge, and gives them back otherwise:
 
-- before training starts (a tuner's ``lr_find`` or ``scale_batch_size`` runs the loop from ``on_fit_start``) and
-  whenever another component has set ``trainer.accumulate_grad_batches`` itself (``StochasticWeightAveraging``'s
-  BatchNorm epoch), Lightning's own arithmetic applies, with ``trainer.accumulate_grad_batches`` at the factor the
-  callback's first window would have, or at the other component's value;
+- before training starts (a tuner's ``lr_find`` or ``scale_batch_size`` runs the loop from ``on_fit_start``) nothing
+  is routed, and ``trainer.accumulate_grad_batches`` holds the factor of the callback's first window;
+- while another component has set ``trainer.accumulate_grad_batches`` itself (:meth:`LoopControl.follow`), Lightning's
+  own arithmetic applies with that value, except that a micro-step without backward (``fit_loop._skip_backward``,
+  which ``StochasticWeightAveraging`` sets for its BatchNorm epoch) never ends a window: there is nothing to step on,
+  and stock Lightning would step on the epoch's last batch with stale gradients;
 - after ``fit`` the Trainer's own ``accumulate_grad_batches`` is put back.
 
 The divisor Lightning applies to each loss stays ``trainer.accumulate_grad_batches``, which the callback sets to the
@@ -49,13 +51,29 @@ class LoopControl:
         self._starts_window = starts_window
         self._ends_window = ends_window
         self._targets: list[Any] = []
+        self._following = False  # Lightning's own arithmetic, with a factor another component set
         self._own = trainer.accumulate_grad_batches  # the Trainer's own value, given back by release()
         self._factor = self._own  # the value this control last set
 
     @property
     def in_charge(self) -> bool:
         """Whether the decisions are routed to the window now."""
-        return bool(self._targets)
+        return bool(self._targets) and not self._following
+
+    @property
+    def following(self) -> bool:
+        """Whether Lightning's own arithmetic decides, with a factor another component set."""
+        return self._following
+
+    def lead(self) -> None:
+        """Route the decisions to the window."""
+        self._install()
+        self._following = False
+
+    def follow(self) -> None:
+        """Let Lightning's own arithmetic decide with the factor another component set (see the module's docstring)."""
+        self._install()
+        self._following = True
 
     def set_factor(self, factor: int) -> None:
         """Set ``trainer.accumulate_grad_batches`` (the divisor of each loss, and the factor outside the windows)."""
@@ -65,7 +83,7 @@ class LoopControl:
         """Whether something other than this control has set ``trainer.accumulate_grad_batches`` since it last did."""
         return self._trainer.accumulate_grad_batches != self._factor
 
-    def install(self) -> None:
+    def _install(self) -> None:
         """Shadow the decisions on the Trainer's loop instances (nothing happens if they already are).
 
         Raises:
@@ -91,21 +109,23 @@ class LoopControl:
             setattr(owners[owner], name, routed[name])
             self._targets.append((owners[owner], name))
 
-    def remove(self) -> None:
-        """Give the decisions back to Lightning; safe to call more than once."""
+    def release(self) -> None:
+        """Give the decisions and the Trainer's own ``accumulate_grad_batches`` back; safe to call more than once."""
         for owner, name in self._targets:
             owner.__dict__.pop(name, None)
-        self._targets = []
-
-    def release(self) -> None:
-        """Give the decisions and the Trainer's own ``accumulate_grad_batches`` back."""
-        self.remove()
+        self._targets, self._following = [], False
         self.set_factor(self._own)
 
     def _should_accumulate(self, epoch_loop: Any) -> Callable[[], bool]:
         progress = epoch_loop.batch_progress.current
+        lightning_should_accumulate = epoch_loop._should_accumulate
+        fit_loop = self._trainer.fit_loop
 
         def should_accumulate() -> bool:
+            if fit_loop._skip_backward:  # nothing was backpropagated, so there is nothing to step on
+                return True
+            if self._following:
+                return lightning_should_accumulate()
             # a batch that never started (on_train_batch_start returned -1) must not step the LR schedulers
             return progress.started < progress.ready or not self._ends_window()
 
@@ -117,7 +137,7 @@ class LoopControl:
 
         def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
             configs = trainer.strategy.lr_scheduler_configs
-            if interval != "step" or not any(config.frequency > 1 for config in configs):
+            if self._following or interval != "step" or not any(config.frequency > 1 for config in configs):
                 lightning_update(interval, update_plateau_schedulers)
                 return
             # `frequency` counts optimizer steps: hand Lightning only the step schedulers due at this optimizer
@@ -140,6 +160,8 @@ class LoopControl:
         trainer = self._trainer
 
         def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Any:
+            if self._following:
+                return lightning_zero_grad_fn(batch_idx, optimizer)
             if not self._starts_window():
                 return None
             # Lightning's own builder keeps its hooks and progress counters; with a divisor of 1 it never skips.

@@ -325,7 +325,7 @@ class AccumulationScheduler(Callback):
         """Whether the windows run this micro-step: not while another component sets the factor itself."""
         assert self._loop is not None, "setup creates the loop control"
         if not self._loop.changed_elsewhere():
-            self._loop.install()
+            self._loop.lead()
             return True
         if not self._ctx.window.closed:
             raise RuntimeError(
@@ -333,12 +333,12 @@ class AccumulationScheduler(Callback):
                 f" accumulation window of {self._ctx.window.size} micro-batches, which AccumulationScheduler sets"
                 " itself: change it between epochs (it is then followed), or give the factor to AccumulationScheduler"
             )
-        if self._loop.in_charge:  # follow it: Lightning's own accumulation until it is set back
-            self._loop.remove()
+        if not self._loop.following:  # follow it: Lightning's own accumulation until it is set back
             rank_zero_info(
                 f"AccumulationScheduler: another component set `trainer.accumulate_grad_batches ="
                 f" {trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back"
             )
+        self._loop.follow()
         return False
 
     def _scheduled_factor(self, trainer: pl.Trainer) -> int:

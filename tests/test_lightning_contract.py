@@ -42,7 +42,7 @@ class WindowsOfThree(Callback):
 
     def setup(self, trainer, pl_module, stage):
         self.control = LoopControl(trainer, lambda: self.micro_step % 3 == 0, lambda: self.micro_step % 3 == 2)
-        self.control.install()
+        self.control.lead()
 
     def on_train_batch_start(self, *_):
         self.micro_step += 1
@@ -61,7 +61,7 @@ def test_lightning_consults_the_shadowed_decisions_and_gets_them_back():
     fit_trainer.fit(RegressionModule(), loader(x, y, 4))  # 9 micro-batches, accumulate_grad_batches=1
     assert (spy.steps, spy.zero_grads, fit_trainer.global_step) == (3, 3, 3)
 
-    spy.control.remove()
+    spy.control.release()
     epoch_loop = fit_trainer.fit_loop.epoch_loop
     assert "_should_accumulate" not in vars(epoch_loop)
     assert "update_lr_schedulers" not in vars(epoch_loop)
@@ -135,11 +135,12 @@ def test_swa_sets_accumulate_grad_batches_for_its_batch_norm_epoch_and_gives_it_
 
     class Spy(Callback):
         def on_train_batch_start(self, trainer, *_):
-            seen.append((trainer.current_epoch, trainer.accumulate_grad_batches))
+            seen.append((trainer.current_epoch, trainer.accumulate_grad_batches, trainer.fit_loop._skip_backward))
 
     swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
     trainer([swa, Spy()], max_epochs=2, accumulate_grad_batches=2).fit(WithBatchNorm(), loader(x, y, 4))
-    assert sorted(set(seen)) == [(0, 2), (1, 2), (2, 5)]  # the extra epoch: one window longer than the epoch
+    # the extra epoch: one window longer than the epoch, and no backward (the routing takes no step on none)
+    assert sorted(set(seen)) == [(0, 2, False), (1, 2, False), (2, 5, True)]
 
 
 def test_on_before_backward_receives_the_fresh_quotient_that_backward_runs_on():
