@@ -124,3 +124,15 @@ def test_the_documented_event_table_is_what_each_feature_handles():
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert re.fullmatch(rf"`{event.name}`", cells[0]), row
         assert [cell == "x" for cell in cells[1:]] == [feature.handles(event) for feature in features], row
+
+
+def test_every_test_the_compatibility_page_names_exists():
+    text = (DOCS.parent / "compatibility.md").read_text()
+    names = set(re.findall(r"`(test_[a-z0-9_]+)`", text))
+    defined = set(
+        re.findall(
+            r"^def (test_[a-z0-9_]+)\(", (DOCS.parents[1] / "tests" / "test_lightning_compat.py").read_text(), re.M
+        )
+    )
+    assert names
+    assert names <= defined, names - defined
