@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
+from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, count_optimizer_steps
@@ -92,27 +93,27 @@ class AccumulationScheduler(Callback):
 
     def __init__(
         self,
-        scheduling: dict[int, int] | None = None,
+        scheduling: dict[NonNegativeInt, PositiveInt] | None = None,
         unit: Literal["epoch", "step", "sample"] = "epoch",
-        target_batch_size: int | None = None,
-        ramp_start_batch_size: int | None = None,
-        ramp_increment: int | None = None,
-        ramp_samples: int | None = None,
-        micro_batch_size: int | None = None,
+        target_batch_size: PositiveInt | None = None,
+        ramp_start_batch_size: PositiveInt | None = None,
+        ramp_increment: PositiveInt | None = None,
+        ramp_samples: PositiveInt | None = None,
+        micro_batch_size: PositiveInt | None = None,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
-        base_batch_size: int | None = None,
-        lr_warmup_steps: int = 0,
+        base_batch_size: PositiveInt | None = None,
+        lr_warmup_steps: NonNegativeInt = 0,
         normalize_by: Literal["micro_batch", "sample", "token"] = "micro_batch",
         token_key: str | int = "labels",
         ignore_index: int = -100,
         count_items: Callable[[Any], Any] | None = None,
         noise_scale: bool = False,
-        noise_scale_decay: float = 0.95,
+        noise_scale_decay: Decay = 0.95,
         adaptive: bool = False,
-        adaptive_target: float = 1.0,
-        adaptive_max_factor: int = 64,
-        adaptive_interval: int = 50,
-        adaptive_patience: int = 2,
+        adaptive_target: PositiveFloat = 1.0,
+        adaptive_max_factor: PositiveInt = 64,
+        adaptive_interval: PositiveInt = 50,
+        adaptive_patience: PositiveInt = 2,
         log_metrics: bool = True,
     ) -> None:
         super().__init__()
@@ -242,6 +243,7 @@ class AccumulationScheduler(Callback):
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
             ctx.window.open(int(min(ctx.factor, trainer.num_training_batches - batch_idx)))
             self._loop.set_factor(ctx.window.size)  # type: ignore[union-attr]  # the divisor of each loss
+            ctx.summary = []
             self._features.dispatch(Event.WINDOW_OPENED, ctx)
         ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
         ctx.batch = batch

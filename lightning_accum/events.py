@@ -32,7 +32,7 @@ class Event(str, Enum):
     ``SETUP``                 ``setup("fit")``                           ``trainer``, ``module``: check, refuse early
     ``FIT_START``             ``on_train_start``                         the run's sizes, ``factor`` of the first window
     ``WINDOW_OPENING``        ``on_train_batch_start`` at a boundary     ``factor``: the schedule's; may be raised
-    ``WINDOW_OPENED``         the same, once the window is open          ``window`` (its size), ``factor``
+    ``WINDOW_OPENED``         the same, once the window is open          ``window``, ``factor``; ``summary`` to add to
     ``MICRO_BATCH_STARTED``   ``on_train_batch_start``                   ``batch``
     ``BEFORE_BACKWARD``       ``on_before_backward``                     ``loss`` (backward runs on it), its divisor
     ``AFTER_BACKWARD``        ``on_after_backward``
@@ -107,7 +107,8 @@ class Context:
         noise_batch: Published with it: ``(items in the window on all ranks, micro-batches in the window)`` of the
             latest measured step, in the estimate's unit.
         metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step.
-        summary: Filled at ``FIT_START``; each feature adds a phrase for the run's summary line.
+        summary: Cleared before ``FIT_START`` and ``WINDOW_OPENED``; a feature adds a phrase for the run's summary
+            (at ``FIT_START``) or for what changed with this window (at ``WINDOW_OPENED``).
     """
 
     world_size: int = 1

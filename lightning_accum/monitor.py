@@ -10,7 +10,8 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/effective_batch_size`` | samples in that window: micro-batch x micro-batches taken x world size |
 | ``accum/micro_batch_size`` | samples per micro-batch on one rank |
 | ``accum/world_size`` | number of ranks |
-| ``accum/lr`` | the learning rate the first optimizer's first param group really used (scale included) |
+| ``accum/lr`` | the learning rate the step really used (first param group, scale included), read before the step |
+| ``accum/lr_group_<i>`` | the same for each param group, when their rates differ |
 | ``accum/lr_scale`` | the factor the LR rule applied to the configured learning rate |
 | ``accum/samples_seen`` | samples consumed by all ranks together |
 | ``accum/optimizer_steps`` | optimizer steps taken (``trainer.global_step``) |
@@ -19,6 +20,7 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/samples_per_second`` | effective batch / wall time of the window |
 | ``accum/noise_scale`` | with ``noise_scale=True``: B_simple = tr(Sigma) / abs(G)^2, samples (or tokens) |
 | ``accum/noise_grad_sq``, ``accum/noise_trace`` | its two smoothed estimates: abs(G)^2 and tr(Sigma) |
+| ``accum/noise_scale_to_batch`` | the noise scale over the window's batch in the same unit (above 1: a larger batch pays) |
 | ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
   window, all ranks |
 | ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
@@ -110,29 +112,49 @@ def peak_resident_bytes() -> int:
 
 
 def tensorboard_layout() -> dict[str, dict[str, list]]:
-    """The "Custom Scalars" dashboard: the accumulation state, the learning rate, loss and speed, and memory."""
+    r"""The "Custom Scalars" dashboard: one chart per quantity, or per set of quantities of the same unit and scale.
+
+    Each pattern is anchored (TensorBoard matches chart patterns with ``re.match``, a prefix match), so a chart draws
+    exactly the tags meant for it: ``accum/lr`` is not ``accum/lr_scale``. Quantities whose ranges may differ by more
+    than about 10x (samples seen and optimizer steps, |G|^2 and tr(Sigma), the noise scale early in training and the
+    batch) get charts of their own; the noise scale is compared with the batch as their ratio.
+
+    Example::
+
+        >>> tensorboard_layout()["learning rate"]["lr as used"]
+        ['Multiline', ['^accum/lr$']]
+    """
     return {
         "accumulation": {
-            "factor and effective batch": ["Multiline", ["accum/factor", "accum/effective_batch_size"]],
-            "progress": ["Multiline", ["accum/samples_seen", "accum/optimizer_steps", "accum/micro_steps"]],
+            "factor": ["Multiline", [r"^accum/factor$"]],
+            "effective batch": ["Multiline", [r"^accum/effective_batch_size$"]],
+            "items in the window": ["Multiline", [r"^accum/window_(samples|tokens)$"]],
         },
         "learning rate": {
-            "lr as used": ["Multiline", ["accum/lr"]],
-            "lr scale": ["Multiline", ["accum/lr_scale"]],
+            "lr as used": ["Multiline", [r"^accum/lr$"]],
+            "lr as used, per param group": ["Multiline", [r"^accum/lr_group_\d+$"]],
+            "lr scale": ["Multiline", [r"^accum/lr_scale$"]],
         },
         "loss and speed": {
-            "window loss": ["Multiline", ["accum/window_loss"]],
-            "throughput": ["Multiline", ["accum/samples_per_second"]],
+            "window loss": ["Multiline", [r"^accum/window_loss$"]],
+            "throughput (samples/s)": ["Multiline", [r"^accum/samples_per_second$"]],
+        },
+        "progress": {
+            "samples seen": ["Multiline", [r"^accum/samples_seen$"]],
+            "optimizer steps": ["Multiline", [r"^accum/optimizer_steps$"]],
+            "micro-steps": ["Multiline", [r"^accum/micro_steps$"]],
         },
         "memory": {
-            "memory (MiB)": ["Multiline", [r"accum/memory_.*"]],
+            "memory (MiB)": ["Multiline", [r"^accum/memory_(allocated|reserved|peak|rss)_mb$"]],
         },
         "noise scale": {
-            "critical batch (noise scale) and effective batch": [
+            "critical batch (noise scale)": ["Multiline", [r"^accum/noise_scale$"]],
+            "noise scale / effective batch (above 1: a larger batch pays)": [
                 "Multiline",
-                ["accum/noise_scale", "accum/effective_batch_size"],
+                [r"^accum/noise_scale_to_batch$"],
             ],
-            "|G|^2 and tr(Sigma)": ["Multiline", ["accum/noise_grad_sq", "accum/noise_trace"]],
+            "|G|^2": ["Multiline", [r"^accum/noise_grad_sq$"]],
+            "tr(Sigma)": ["Multiline", [r"^accum/noise_trace$"]],
         },
     }
 

@@ -1,9 +1,9 @@
 """Learning-rate rules for a changing effective batch, and how a scale reaches the optimizer.
 
 This module owns the arithmetic of the scale (none, linear or square root of effective / base batch), its optional
-warmup when it jumps, and applying it to an optimizer *only while it steps*: the scale multiplies each param group's
-``lr`` in a step pre-hook and the scheduler's own value is put back in the post-hook, so an LR scheduler (StepLR,
-warmup then cosine, OneCycleLR) keeps its shape and never sees the scale. Pure: no Lightning import.
+warmup when it jumps, and applying it to an optimizer *only for its update*: the scale multiplies each param group's
+``lr`` once the step's closure has run and the scheduler's own value is put back in the step's post-hook, so an LR
+scheduler (StepLR, warmup then cosine, OneCycleLR) keeps its shape and never sees the scale. Pure: no Lightning import.
 """
 
 from __future__ import annotations
@@ -114,7 +114,12 @@ class ScaleWarmup:
 
 
 class ScaledStep:
-    """Multiply every param group's learning rate by ``scale()`` while ``optimizer.step()`` runs, and only then.
+    """Multiply every param group's learning rate by ``scale()`` for the optimizer's update, and only then.
+
+    Lightning runs the window's last micro-step (forward, backward, ``on_before_optimizer_step``, clipping) inside
+    ``optimizer.step(closure)``. The scale is applied after that closure returns, just before the update, and the
+    configured values are put back right after it, so no hook, exception or checkpoint ever sees a scaled ``lr``
+    (without a closure, as under AMP's GradScaler, it is applied as the step begins).
 
     Args:
         optimizer: The optimizer to scale.
@@ -126,20 +131,40 @@ class ScaledStep:
         >>> param = torch.nn.Parameter(torch.ones(1)); param.grad = torch.ones(1)
         >>> optimizer = torch.optim.SGD([param], lr=0.1)
         >>> scaled = ScaledStep(optimizer, lambda: 2.0)
-        >>> optimizer.step(); round(param.item(), 6), optimizer.param_groups[0]["lr"]
-        (0.8, 0.1)
+        >>> seen = []
+        >>> optimizer.step(lambda: seen.append(optimizer.param_groups[0]["lr"]))
+        >>> round(param.item(), 6), optimizer.param_groups[0]["lr"], seen  # the closure saw the configured lr
+        (0.8, 0.1, [0.1])
         >>> scaled.remove()
     """
 
     def __init__(self, optimizer: Optimizer, scale: Any) -> None:
         self._scale = scale
-        self._unscaled: list[Any] = []
+        self._unscaled: list[Any] | None = None
         self._handles: list[RemovableHandle] = [
-            optimizer.register_step_pre_hook(self._apply),
+            optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._restore),
         ]
 
-    def _apply(self, optimizer: Optimizer, *_: Any) -> None:
+    def _before_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # torch hands a pre-hook the step's own arguments: (optimizer, closure?) and its keywords
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._apply(optimizer)
+            return None
+
+        def scaled_closure() -> Any:
+            result = closure()
+            self._apply(optimizer)  # the closure is done: only the update is left
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": scaled_closure}
+        return (args[0], scaled_closure, *args[2:]), kwargs
+
+    def _apply(self, optimizer: Optimizer) -> None:
+        if self._unscaled is not None:  # an optimizer that calls its closure more than once (L-BFGS)
+            return
         scale = self._scale()
         self._unscaled = [group["lr"] for group in optimizer.param_groups]
         if scale != 1.0:
@@ -147,8 +172,11 @@ class ScaledStep:
                 group["lr"] = group["lr"] * scale
 
     def _restore(self, optimizer: Optimizer, *_: Any) -> None:
+        if self._unscaled is None:
+            return
         for group, lr in zip(optimizer.param_groups, self._unscaled, strict=True):
             group["lr"] = lr
+        self._unscaled = None
 
     def remove(self) -> None:
         """Detach from the optimizer."""

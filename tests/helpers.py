@@ -141,3 +141,30 @@ def exact_noise_scale(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
     flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
     mean = flat.mean(0)
     return ((flat - mean).pow(2).sum(1).mean() / mean.pow(2).sum()).item()
+
+
+class MeasuredLR(pl.Callback):
+    """The learning rate each plain-SGD step really applied to each param group, from the update: delta = -lr * grad.
+
+    The weights are read in ``on_before_optimizer_step`` (after the window's last backward, before the update) and
+    again after the step; use a float64 model (``Trainer(precision="64-true")``) for a precise measurement.
+    """
+
+    def __init__(self) -> None:
+        self.used: list[list[float]] = []
+        self._before: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0].register_step_post_hook(self._measure)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._before = [p.detach().clone() for group in optimizer.param_groups for p in group["params"][:1]]
+
+    def _measure(self, optimizer: Any, *_: Any) -> None:
+        lrs = []
+        for group, before in zip(optimizer.param_groups, self._before, strict=True):
+            param = group["params"][0]
+            grad = param.grad.detach().flatten()
+            index = int(grad.abs().argmax())
+            lrs.append(float((before.flatten()[index] - param.detach().flatten()[index]) / grad[index]))
+        self.used.append(lrs)

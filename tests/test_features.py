@@ -239,6 +239,8 @@ def test_lr_scaling_applies_the_scale_inside_the_step_only_and_warms_it_up():
         features.dispatch(Event.WINDOW_OPENED, ctx)
         before = param.item()
         param.grad = torch.ones(1)
+        ctx.optimizer = optimizer
+        features.dispatch(Event.WINDOW_CLOSING, ctx)
         optimizer.step()
         used.append(round(before - param.item(), 9))
         assert optimizer.param_groups[0]["lr"] == 0.1  # the scheduler's value, outside the step

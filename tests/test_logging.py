@@ -87,7 +87,7 @@ def test_tensorboard_gets_the_dashboard_and_the_summary(tmp_path):
     layout = layout_pb2.Layout()
     layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     titles = {chart.title for category in layout.category for chart in category.chart}
-    assert {"factor and effective batch", "lr as used", "window loss", "memory (MiB)"} <= titles
+    assert {"factor", "effective batch", "lr as used", "window loss", "memory (MiB)"} <= titles
     summary = events.Tensors("accum/summary/text_summary")[0].tensor_proto.string_val[0].decode()
     assert summary == "micro 4 x factor 2 x world 1 = 8 samples; lr 0.1 x (8/8) = 0.1"
 
@@ -98,3 +98,80 @@ def test_any_logger_receives_the_metrics(tmp_path):
     trainer([AccumulationScheduler({0: 2})], max_epochs=1, logger=logger).fit(RegressionModule(), loader(x, y, 4))
     header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"accum/factor", "accum/window_loss", "accum/lr"} <= set(header)
+
+
+def test_accum_lr_is_the_lr_each_step_really_used(tmp_path):
+    """Against the LR measured from each plain-SGD update (delta = -lr * grad), with StepLR, a factor change, sqrt."""
+    import torch
+
+    from tests.helpers import MeasuredLR
+
+    class StepLRModule(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    x, y = make_data(40)
+    logger = CSVLogger(tmp_path, name="csv", version=0)
+    measured = MeasuredLR()
+    callback = AccumulationScheduler({0: 2, 3: 4}, unit="step", lr_scaling="sqrt")
+    fit_trainer = trainer([callback, measured], max_epochs=2, logger=logger, log_every_n_steps=1, precision="64-true")
+    fit_trainer.fit(StepLRModule(), loader(x, y, 4))
+    logger.save()
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [
+        float(row.split(",")[header.index("accum/lr")]) for row in rows[1:] if row.split(",")[header.index("accum/lr")]
+    ]
+    used = [lrs[0] for lrs in measured.used]
+    assert len(logged) == len(used) == 7
+    assert logged == pytest.approx(used, rel=1e-6)
+    # StepLR halves every 2 steps; from step 3 the effective batch doubles: sqrt(2)
+    expected = [0.1 * 0.5 ** (step // 2) * (2**0.5 if step >= 3 else 1.0) for step in range(7)]
+    assert used == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_summary_follows_the_run(tmp_path):
+    events = _events(tmp_path)
+    entries = [
+        (event.step, event.tensor_proto.string_val[0].decode())
+        for event in events.Tensors("accum/summary/text_summary")
+    ]
+    assert entries == [
+        (0, "micro 4 x factor 2 x world 1 = 8 samples; lr 0.1 x (8/8) = 0.1"),
+        (3, "optimizer step 3, 24 samples seen: factor 2 -> 4, effective batch 8 -> 16 samples, lr scale 1 -> 2"),
+    ]
+
+
+def test_the_summary_names_the_configured_lr_not_a_schedulers_first_value(tmp_path):
+    import torch
+
+    class OneCycle(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=0.002)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.002, total_steps=20)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+
+    x, y = make_data(16)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    callback = AccumulationScheduler({0: 2}, lr_scaling="sqrt")
+    trainer([callback], max_epochs=1, logger=logger).fit(OneCycle(), loader(x, y, 4))
+    events = EventAccumulator(logger.log_dir, size_guidance={"tensors": 0})
+    events.Reload()
+    summary = events.Tensors("accum/summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert summary == "micro 4 x factor 2 x world 1 = 8 samples; lr 0.002 x sqrt(8/8) = 0.002"
+
+
+def test_the_progress_bar_shows_integers_and_says_when_a_window_is_short(tmp_path):
+    from lightning.pytorch.callbacks import Callback
+
+    shown = []
+
+    class Shown(Callback):
+        def on_train_batch_end(self, trainer, *_):
+            shown.append((trainer.progress_bar_metrics.get("factor"), trainer.progress_bar_metrics.get("eff_batch")))
+
+    x, y = make_data(20)  # 5 micro-batches of 4: windows of 2, 2 and a short one of 1
+    trainer([AccumulationScheduler({0: 2}), Shown()], max_epochs=1).fit(RegressionModule(), loader(x, y, 4))
+    assert shown == [(None, None), (2, 8), (2, 8), (2, 8), (2, "4 (short window)")]

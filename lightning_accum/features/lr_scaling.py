@@ -4,6 +4,11 @@ At each window's opening the scale's target is set from the window's effective b
 :mod:`lightning_accum.scaling`, with an optional warmup); the scale multiplies each param group's ``lr`` only while
 ``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with ``lr_scaling="none"`` the scale is 1
 and only ``accum/lr`` and ``accum/lr_scale`` are logged.
+
+``accum/lr`` is the learning rate the step really used, read just before the step (after the window's last backward,
+before the LR scheduler moves on), scale included; with several param groups of different rates each has its own
+``accum/lr_group_<i>``. Adds the configured LR and its scaling to the run's summary, and a phrase whenever the scale's
+target changes.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class LRScaling(Feature):
         self.base_batch_size = 1.0  # resolved: samples (or micro-batches when the micro-batch size is unknown)
         self._restored_base: float | None = None
         self._scale = 1.0  # the scale of the step the window in progress ends with
+        self._used: list[float] = []  # the learning rates of the window's step, per param group, scale included
         self._scaled_steps: list[ScaledStep] = []
 
     @override
@@ -70,7 +76,7 @@ class LRScaling(Feature):
         self.base_batch_size = self._restored_base if self._restored_base is not None else self._resolve_base(ctx)
         self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers]
         if ctx.optimizers:
-            lr = ctx.optimizers[0].param_groups[0]["lr"]
+            lr = _configured_lr(ctx.optimizers[0])
             ctx.summary.append(lr_summary(lr, self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size))
 
     def _resolve_base(self, ctx: Context) -> float:
@@ -89,17 +95,29 @@ class LRScaling(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         target = lr_scale(self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size)
+        if target != self._warmup.target and self.rule != "none":
+            over = f" over {self._warmup.steps} steps" if self._warmup.steps else ""
+            ctx.summary.append(f"lr scale {self._warmup.target:.4g} -> {target:.4g}{over}")
         self._warmup.set(target, step=ctx.optimizer_steps)
         self._scale = self._warmup.value(ctx.optimizer_steps)
 
     @override
+    def window_closing(self, ctx: Context) -> None:
+        # what ScaledStep hands the optimizer in a moment; the LR scheduler steps only after the optimizer
+        self._used = [float(group["lr"] * self._scale) for group in ctx.optimizer.param_groups]
+
+    @override
     def window_closed(self, ctx: Context) -> None:
         ctx.metrics["accum/lr_scale"] = self._scale
-        if ctx.optimizers:
-            ctx.metrics["accum/lr"] = float(ctx.optimizers[0].param_groups[0]["lr"] * self._scale)
+        if not self._used:
+            return
+        ctx.metrics["accum/lr"] = self._used[0]
+        if any(lr != self._used[0] for lr in self._used):
+            ctx.metrics.update({f"accum/lr_group_{i}": lr for i, lr in enumerate(self._used)})
 
     @override
     def fit_end(self, ctx: Context) -> None:
+        self._used = []
         for scaled in self._scaled_steps:
             scaled.remove()
         self._scaled_steps = []
@@ -113,3 +131,9 @@ class LRScaling(Feature):
         self._warmup.load_state_dict(state.get("warmup", {}))
         if "base_batch_size" in state:
             self._restored_base = self.base_batch_size = float(state["base_batch_size"])
+
+
+def _configured_lr(optimizer: Any) -> float:
+    """The learning rate the optimizer was built with, not the value an LR scheduler has moved it to at start."""
+    lr = optimizer.defaults.get("lr")
+    return float(lr) if isinstance(lr, (int, float)) else float(optimizer.param_groups[0]["lr"])

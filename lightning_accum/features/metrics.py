@@ -3,7 +3,9 @@
 Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's values in ``ctx.metrics`` and logs them
 with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
 in one call per logger. At ``FIT_START`` it writes the Custom Scalars layout and the run's summary line (the other
-features' phrases joined to its own) to TensorBoard, and shows the factor and effective batch in the progress bar.
+features' phrases joined to its own) to TensorBoard's Text tab and the console; whenever a window opens with another
+factor, effective batch or LR scale, it adds an entry saying what changed, at which optimizer step and sample. The
+progress bar shows the factor and the effective batch as integers, and says when a window was cut short.
 """
 
 from __future__ import annotations
@@ -32,21 +34,38 @@ class Metrics(Feature):
         self._loss: torch.Tensor | None = None  # the window's summed loss so far (weighted by items, if counted)
         self._items: torch.Tensor | int = 0  # the items that loss is summed over (item weighting only)
         self._started = 0.0
+        self._batch: tuple[int, int] | None = None  # (factor, effective batch) of the last window, this fit
 
     @override
     def fit_start(self, ctx: Context) -> None:
-        if not ctx.is_global_zero:
-            return
-        text = "; ".join([batch_summary(ctx.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary])
-        for logger in getattr(ctx.trainer, "loggers", []):
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_custom_scalars(tensorboard_layout())
-                logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
-        rank_zero_info(f"AccumulationScheduler: {text}")
+        self._batch = None
+        if ctx.is_global_zero:
+            layout = tensorboard_layout()
+            for logger in getattr(ctx.trainer, "loggers", []):
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(layout)
+            self._write_summary(ctx, [batch_summary(ctx.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary])
 
     @override
     def window_opened(self, ctx: Context) -> None:
         self._loss, self._items, self._started = None, 0, time.perf_counter()
+        batch = (ctx.factor, ctx.effective_batch(ctx.factor))
+        changes = []
+        if self._batch is not None and batch != self._batch:
+            changes.append(f"factor {self._batch[0]} -> {batch[0]}")
+            unit = "samples" if ctx.micro_batch_size is not None else "micro-batches"
+            changes.append(f"effective batch {self._batch[1]} -> {batch[1]} {unit}")
+        if self._batch is not None and (changes or ctx.summary) and ctx.is_global_zero:
+            where = f"optimizer step {ctx.optimizer_steps}, {ctx.samples_seen} samples seen"
+            self._write_summary(ctx, [f"{where}: {', '.join([*changes, *ctx.summary])}"])
+        self._batch = batch
+
+    def _write_summary(self, ctx: Context, phrases: list[str]) -> None:
+        text = "; ".join(phrases)
+        for logger in getattr(ctx.trainer, "loggers", []):
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
+        rank_zero_info(f"AccumulationScheduler: {text}")
 
     @override
     def micro_batch_ended(self, ctx: Context) -> None:
@@ -60,15 +79,11 @@ class Metrics(Feature):
 
     @override
     def window_closed(self, ctx: Context) -> None:
-        if ctx.module is not None and hasattr(ctx.module, "log_dict"):
-            ctx.module.log_dict(
-                {"factor": float(ctx.factor), "eff_batch": float(ctx.effective_batch(ctx.window.taken))},
-                prog_bar=True,
-                logger=False,
-                on_step=True,
-                on_epoch=False,
-                batch_size=1,
-            )
+        shown = getattr(ctx.trainer, "progress_bar_metrics", None)  # what the progress bar shows next to its count
+        if isinstance(shown, dict):
+            effective = ctx.effective_batch(ctx.window.taken)
+            shown["factor"] = ctx.factor
+            shown["eff_batch"] = effective if ctx.window.taken == ctx.factor else f"{effective} (short window)"
         loggers = getattr(ctx.trainer, "loggers", [])
         if not ctx.is_global_zero or not loggers:
             return

@@ -26,8 +26,8 @@ from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
 class NoiseScale(Feature):
     """Estimate the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` once per optimizer step.
 
-    Logs ``accum/noise_scale`` (in samples, or tokens under ``normalize_by="token"``), ``accum/noise_grad_sq`` and
-    ``accum/noise_trace``. Under DDP the small batch is one rank's micro-batch and the big batch the global window.
+    Logs ``accum/noise_scale`` (in samples, or tokens under ``normalize_by="token"``), ``accum/noise_grad_sq``,
+    ``accum/noise_trace`` and ``accum/noise_scale_to_batch`` (the noise scale over the step's batch). Under DDP the small batch is one rank's micro-batch and the big batch the global window.
 
     Args:
         decay: Decay of the moving averages that smooth the two estimates, in ``[0, 1)``.
@@ -159,6 +159,8 @@ class NoiseScale(Feature):
             ctx.metrics["accum/noise_scale"] = estimate.noise_scale
             ctx.metrics["accum/noise_grad_sq"] = estimate.grad_sq
             ctx.metrics["accum/noise_trace"] = estimate.trace
+            if self._batch is not None and self._batch[0] > 0:  # the batch in the estimate's own unit
+                ctx.metrics["accum/noise_scale_to_batch"] = estimate.noise_scale / self._batch[0]
 
     @override
     def fit_end(self, ctx: Context) -> None:
