@@ -20,7 +20,7 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/samples_per_second`` | effective batch / wall time of the window |
 | ``accum/noise_scale`` | with ``noise_scale=True``: B_simple = tr(Sigma) / abs(G)^2, samples (or tokens) |
 | ``accum/noise_grad_sq``, ``accum/noise_trace`` | its two smoothed estimates: abs(G)^2 and tr(Sigma) |
-| ``accum/noise_scale_to_batch`` | the noise scale over the window's batch in the same unit (above 1: a larger batch pays) |
+| ``accum/noise_scale_to_batch`` | the noise scale over the window's batch, same unit (above 1: a larger batch pays) |
 | ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
   window, all ranks |
 | ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
@@ -32,8 +32,10 @@ It builds values from what it is handed and never reads Trainer state; the metri
 from __future__ import annotations
 
 import os
+import re
 import resource
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -111,20 +113,21 @@ def peak_resident_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
-def tensorboard_layout() -> dict[str, dict[str, list]]:
+def tensorboard_layout(logged: Iterable[str] | None = None) -> dict[str, dict[str, list]]:
     r"""The "Custom Scalars" dashboard: one chart per quantity, or per set of quantities of the same unit and scale.
 
     Each pattern is anchored (TensorBoard matches chart patterns with ``re.match``, a prefix match), so a chart draws
     exactly the tags meant for it: ``accum/lr`` is not ``accum/lr_scale``. Quantities whose ranges may differ by more
     than about 10x (samples seen and optimizer steps, |G|^2 and tr(Sigma), the noise scale early in training and the
-    batch) get charts of their own; the noise scale is compared with the batch as their ratio.
+    batch) get charts of their own; the noise scale is compared with the batch as their ratio. Given the tags a run
+    ``logged``, only the charts that draw at least one of them are kept.
 
     Example::
 
         >>> tensorboard_layout()["learning rate"]["lr as used"]
         ['Multiline', ['^accum/lr$']]
     """
-    return {
+    layout = {
         "accumulation": {
             "factor": ["Multiline", [r"^accum/factor$"]],
             "effective batch": ["Multiline", [r"^accum/effective_batch_size$"]],
@@ -157,6 +160,18 @@ def tensorboard_layout() -> dict[str, dict[str, list]]:
             "tr(Sigma)": ["Multiline", [r"^accum/noise_trace$"]],
         },
     }
+    if logged is None:
+        return layout
+    tags = list(logged)
+    kept = {
+        category: {
+            title: chart
+            for title, chart in charts.items()
+            if any(re.match(pattern, tag) for pattern in chart[1] for tag in tags)
+        }
+        for category, charts in layout.items()
+    }
+    return {category: charts for category, charts in kept.items() if charts}
 
 
 def batch_summary(micro_batch_size: int | None, factor: int, world_size: int) -> str:

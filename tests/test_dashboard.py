@@ -28,7 +28,6 @@ INTENDED = {
     "effective batch": {"accum/effective_batch_size"},
     "items in the window": {"accum/window_samples"},
     "lr as used": {"accum/lr"},
-    "lr as used, per param group": set(),  # one param group: no per-group tags
     "lr scale": {"accum/lr_scale"},
     "window loss": {"accum/window_loss"},
     "throughput (samples/s)": {"accum/samples_per_second"},

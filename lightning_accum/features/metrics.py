@@ -35,15 +35,12 @@ class Metrics(Feature):
         self._items: torch.Tensor | int = 0  # the items that loss is summed over (item weighting only)
         self._started = 0.0
         self._batch: tuple[int, int] | None = None  # (factor, effective batch) of the last window, this fit
+        self._layout_written = False  # written with the first step's metrics: charts for what this run logs
 
     @override
     def fit_start(self, ctx: Context) -> None:
-        self._batch = None
+        self._batch, self._layout_written = None, False
         if ctx.is_global_zero:
-            layout = tensorboard_layout()
-            for logger in getattr(ctx.trainer, "loggers", []):
-                if isinstance(logger, TensorBoardLogger):
-                    logger.experiment.add_custom_scalars(layout)
             self._write_summary(ctx, [batch_summary(ctx.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary])
 
     @override
@@ -102,6 +99,12 @@ class Metrics(Feature):
         metrics = {**step_metrics(record), **memory_metrics(device), **ctx.metrics}
         for logger in loggers:
             logger.log_metrics(metrics, step=ctx.optimizer_steps)
+        if not self._layout_written:
+            self._layout_written = True
+            layout = tensorboard_layout(metrics)
+            for logger in loggers:
+                if isinstance(logger, TensorBoardLogger):
+                    logger.experiment.add_custom_scalars(layout)
 
     def _window_loss(self, ctx: Context) -> float | None:
         if self._loss is None:

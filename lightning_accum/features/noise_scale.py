@@ -27,7 +27,8 @@ class NoiseScale(Feature):
     """Estimate the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` once per optimizer step.
 
     Logs ``accum/noise_scale`` (in samples, or tokens under ``normalize_by="token"``), ``accum/noise_grad_sq``,
-    ``accum/noise_trace`` and ``accum/noise_scale_to_batch`` (the noise scale over the step's batch). Under DDP the small batch is one rank's micro-batch and the big batch the global window.
+    ``accum/noise_trace`` and ``accum/noise_scale_to_batch`` (the noise scale over the step's batch). Under DDP the
+    small batch is one rank's micro-batch and the big batch the global window.
 
     Args:
         decay: Decay of the moving averages that smooth the two estimates, in ``[0, 1)``.
