@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps of the short run")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "dashboard.png", help="the PNG to write")
     parser.add_argument("--width", type=int, default=1500)
-    parser.add_argument("--height", type=int, default=2500)
+    parser.add_argument("--height", type=int, default=2750)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         logdir = args.logdir

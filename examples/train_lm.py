@@ -21,6 +21,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_lm import ByteLM, StdlibBytes  # noqa: E402
 
+from lightning_accum.cli import AccumulationArgumentParser  # noqa: E402
+
 
 class ByteLMCLI(LightningCLI):
     """LightningCLI with the model's context tied to the data's."""
@@ -30,7 +32,9 @@ class ByteLMCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None, run: bool = True) -> ByteLMCLI:
-    return ByteLMCLI(ByteLM, StdlibBytes, args=args, run=run, seed_everything_default=0)
+    return ByteLMCLI(
+        ByteLM, StdlibBytes, args=args, run=run, seed_everything_default=0, parser_class=AccumulationArgumentParser
+    )
 
 
 if __name__ == "__main__":

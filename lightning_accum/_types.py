@@ -28,8 +28,12 @@ else:
     class Scheduling(dict):
         """``{position: factor}``: positions are integers >= 0, factors integers >= 1, at least one pair."""
 
-    register_type(Scheduling, serializer=lambda value: {int(k): int(v) for k, v in value.items()},
-                  deserializer=lambda value: parse_scheduling(value), type_check=lambda value, cls: False)
+    register_type(
+        Scheduling,
+        serializer=lambda value: {int(k): int(v) for k, v in value.items()},
+        deserializer=lambda value: parse_scheduling(value),
+        type_check=lambda value, cls: False,
+    )
 
 
 def parse_scheduling(value: Any) -> dict[int, int]:
@@ -56,11 +60,11 @@ def parse_scheduling(value: Any) -> dict[int, int]:
         try:
             position = int(NonNegativeInt(key))
         except (TypeError, ValueError):
-            raise ValueError(f"position {key!r} (of {key!r}: {factor!r}) is not an integer >= 0") from None
+            raise ValueError(f"position {key!r} is not an integer >= 0") from None
         try:
             checked[position] = int(PositiveInt(factor))
         except (TypeError, ValueError):
-            raise ValueError(f"factor {factor!r} (of {key!r}: {factor!r}) is not an integer >= 1") from None
+            raise ValueError(f"factor {factor!r} at position {key!r} is not an integer >= 1") from None
     return checked
 
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
-from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt
+from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, count_optimizer_steps
@@ -93,7 +93,7 @@ class AccumulationScheduler(Callback):
 
     def __init__(
         self,
-        scheduling: dict[NonNegativeInt, PositiveInt] | None = None,
+        scheduling: Scheduling | None = None,
         unit: Literal["epoch", "step", "sample"] = "epoch",
         target_batch_size: PositiveInt | None = None,
         ramp_start_batch_size: PositiveInt | None = None,
@@ -211,6 +211,7 @@ class AccumulationScheduler(Callback):
         ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
         ctx.schedule, ctx.factor, ctx.summary = self._schedule, self._scheduled_factor(trainer), []
         self._features.dispatch(Event.FIT_START, ctx)
+        self._take_charge(trainer)  # before the loop resets: a restart asks where the last window ended
         if self._schedule.max_factor > 1 or self._features.handle(Event.WINDOW_OPENING):
             _warn_if_optimization_hooks_are_overridden(pl_module)
             steps = _count_steps(trainer, self._spec, ctx.micro_batch_size)
@@ -324,18 +325,25 @@ class AccumulationScheduler(Callback):
         return self._loop is not None and self._loop.in_charge
 
     def _take_charge(self, trainer: pl.Trainer) -> bool:
-        """Whether the windows run this micro-step: not while another component sets the factor itself."""
+        """Whether the windows run this micro-step: not while another component sets the factor itself.
+
+        Such a factor is followed from an epoch's first batch (as ``StochasticWeightAveraging`` sets one for its
+        BatchNorm epoch) until it is set back at an epoch's first batch; a change anywhere else would split a
+        window, and raises.
+        """
         assert self._loop is not None, "setup creates the loop control"
-        if not self._loop.changed_elsewhere():
-            self._loop.lead()
-            return True
-        if not self._ctx.window.closed:
+        changed = self._loop.changed_elsewhere()
+        if changed != self._loop.following and trainer.fit_loop.epoch_loop.batch_idx > 0:
             raise RuntimeError(
                 f"`trainer.accumulate_grad_batches` was set to {trainer.accumulate_grad_batches} in the middle of an"
-                f" accumulation window of {self._ctx.window.size} micro-batches, which AccumulationScheduler sets"
-                " itself: change it between epochs (it is then followed), or give the factor to AccumulationScheduler"
+                " epoch; AccumulationScheduler sets it itself, and follows another component's value only from an"
+                " epoch's start to an epoch's start: change it in `on_train_epoch_start` and give it back in"
+                " `on_train_epoch_end`, or give the factor to AccumulationScheduler"
             )
-        if not self._loop.following:  # follow it: Lightning's own accumulation until it is set back
+        if not changed:
+            self._loop.lead()
+            return True
+        if not self._loop.following:
             rank_zero_info(
                 f"AccumulationScheduler: another component set `trainer.accumulate_grad_batches ="
                 f" {trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back"

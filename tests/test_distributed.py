@@ -97,7 +97,9 @@ def _launch(script: str, *args: str, out: Path) -> None:
         timeout=600,
         check=False,
     )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    output = done.stdout + done.stderr
+    clues = [line for line in output.splitlines() if any(word in line for word in ("Error", "Traceback", "terminate"))]
+    assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n" + done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def _records(out: Path, name: str) -> list[dict]:

@@ -1394,3 +1394,66 @@ def test_tqdm_progress_bar_ends_at_100_percent(
     fit_trainer.fit(RegressionModule(), loader(x, y, batch_size))
     assert spy.overruns == []
     assert spy.epoch_ends == [(n, n) for n in batches_per_epoch]
+
+
+# ==================== found in review: the seams the tests above did not reach
+
+
+def test_a_learning_rate_finder_used_as_a_callback_leaves_the_lr_rule_its_base(tmp_path):
+    """The finder saves and restores a checkpoint before the first window: the base must not come from it."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    class Module(RegressionModule):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    x, y = make_data(64)
+    callback = AccumulationScheduler({0: 4}, lr_scaling="linear")
+    finder = LearningRateFinder(num_training_steps=5, update_attr=False)
+    trainer([finder, callback], default_root_dir=tmp_path, max_epochs=1).fit(Module(), loader(x, y, 4))
+    lr_scaling = callback.features["lr_scaling"]
+    assert lr_scaling.base_batch_size == 16.0  # type: ignore[attr-defined]  # the first window: 4 x 4, scale 1
+
+
+def test_a_resumed_run_counts_the_steps_lightning_logs_at_as_the_uninterrupted_one(tmp_path):
+    """Lightning's restart asks where the last window ended before the first batch: the routing must answer."""
+    x, y = make_data(40)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    whole = trainer(
+        [AccumulationScheduler({0: 2, 3: 3}, unit="step"), checkpoint], max_epochs=2, enable_checkpointing=True
+    )
+    whole.fit(RegressionModule(), loader(x, y, 4))
+    resumed = trainer([AccumulationScheduler({0: 2, 3: 3}, unit="step")], max_epochs=2)
+    resumed.fit(RegressionModule(), loader(x, y, 4), ckpt_path=str(tmp_path / "epoch=0-step=4.ckpt"))
+    assert resumed.global_step == whole.global_step
+    # the step every `self.log` value is logged at
+    assert resumed.fit_loop.epoch_loop._batches_that_stepped == whole.fit_loop.epoch_loop._batches_that_stepped
+
+
+def test_a_second_fit_continues_the_lr_rule_with_the_base_of_the_first(tmp_path):
+    x, y = make_data(40)  # 10 micro-batches of 4
+
+    def run(epochs: list[int]) -> list[torch.Tensor]:
+        model = RegressionModule()
+        callback = AccumulationScheduler({0: 2, 3: 4}, unit="step", lr_scaling="linear", lr_warmup_steps=2)
+        fit_trainer = trainer([callback], default_root_dir=tmp_path, max_epochs=epochs[0])
+        for max_epochs in epochs:
+            fit_trainer.fit_loop.max_epochs = max_epochs
+            fit_trainer.fit(model, loader(x, y, 4))
+        return weights(model)
+
+    assert max_deviation(run([1, 2]), run([2])) <= TOLERANCE
+
+
+def test_a_factor_set_by_another_component_in_the_middle_of_an_epoch_is_refused(tmp_path):
+    class MidEpoch(Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int):
+            if idx == 6:
+                trainer.accumulate_grad_batches = 4
+
+    x, y = make_data(40)
+    model = RegressionModule()
+    before = weights(model)
+    with pytest.raises(RuntimeError, match=r"accumulate_grad_batches` was set to 4 in the middle of an epoch"):
+        trainer([MidEpoch(), AccumulationScheduler({0: 2})], max_epochs=1).fit(model, loader(x, y, 4))
+    assert len(before) == len(weights(model))

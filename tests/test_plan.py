@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -92,3 +94,55 @@ def test_the_probe_measures_the_real_model_and_picks_the_largest_micro_batch_tha
     assert chosen.returncode == 0, chosen.stderr[-2000:]
     rows = [line for line in chosen.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(row.split("|")[1]) for row in rows] == [16]  # 512 does not fit the budget
+
+
+def test_the_help_lists_only_the_public_commands_and_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    top = capsys.readouterr().out
+    assert "_probe" not in top
+    assert "SUPPRESS" not in top
+    assert "plan" in top
+    assert "list the micro-batch / factor / learning-rate configurations" in top  # each command with its description
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    planner = capsys.readouterr().out
+    assert "(default: 1)" in planner  # --devices
+    assert "(default: none)" in planner  # --rule
+    assert "(default: None)" not in planner  # an option without a default says nothing
+
+
+def test_the_private_probe_command_still_runs_when_called_by_name(capsys):
+    assert main(["_probe", "tests.probe_model:WideNet", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["peak_bytes"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("args", "flag", "value"),
+    [
+        (["--global-batch", "0"], "--global-batch", "0"),
+        (["--global-batch", "8", "--devices", "0"], "--devices", "0"),
+        (["--global-batch", "8", "--rule", "cubic"], "--rule", "cubic"),
+        (["--global-batch", "8", "--micro-batch", "4", "0"], "--micro-batch", "0"),
+        (["--global-batch", "8", "--dataset-size", "-5"], "--dataset-size", "-5"),
+        (["--global-batch", "8", "--base-batch", "0"], "--base-batch", "0"),
+        (["--global-batch", "8", "--base-lr=-1e-3"], "--base-lr", "-1e-3"),
+        (
+            ["--global-batch", "8", "--probe", "tests.probe_model:WideNet", "--memory-budget", "0"],
+            "--memory-budget",
+            "0",
+        ),
+        (["--global-batch", "8", "--probe", "WideNet", "--memory-budget", "10"], "--probe", "WideNet"),
+    ],
+)
+def test_a_bad_value_exits_2_naming_the_flag(args, flag, value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["plan", *args])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("lightning-accum plan: error:")  # the subcommand's usage, not the top level's
+    assert flag in error
+    assert value in error
+    parameter = flag[2:].replace("-", "_")
+    assert not re.search(rf"(?<![-\w]){parameter}\b", error)  # not the Python parameter (global_batch)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature
@@ -56,8 +57,9 @@ class LRScaling(Feature):
         self.rule = check_rule(rule)
         self._configured_base = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
         self._warmup = ScaleWarmup(steps=check_int("lr_warmup_steps", warmup_steps, minimum=0))
-        self.base_batch_size = 1.0  # resolved: samples (or micro-batches when the micro-batch size is unknown)
-        self._restored_base: float | None = None
+        # resolved at the run's first fit start, then kept (checkpointed): samples, or micro-batches when the
+        # micro-batch size is unknown
+        self.base_batch_size: float | None = None
         self._scale = 1.0  # the scale of the step the window in progress ends with
         self._used: list[float] = []  # the learning rates of the window's step, per param group, scale included
         self._scaled_steps: list[ScaledStep] = []
@@ -65,18 +67,23 @@ class LRScaling(Feature):
     @override
     def reset(self) -> None:
         self._warmup = ScaleWarmup(steps=self._warmup.steps)
-
-    @override
-    def setup(self, ctx: Context) -> None:
-        self._restored_base = None  # a checkpoint restored after setup sets it again
+        self.base_batch_size = None
 
     @override
     def fit_start(self, ctx: Context) -> None:
-        # a resumed run keeps the base it started from, so the scale continues where it was
-        self.base_batch_size = self._restored_base if self._restored_base is not None else self._resolve_base(ctx)
+        # a resumed or continued run keeps the base it started from, so the scale continues where it was
+        if self.base_batch_size is None:
+            self.base_batch_size = self._resolve_base(ctx)
+        elif self._configured_base is not None and self.base_batch_size != self._configured_base:
+            rank_zero_warn(
+                f"AccumulationScheduler: `base_batch_size={self._configured_base}` differs from the base this run"
+                f" started with ({self.base_batch_size:g}, from the checkpoint); the run keeps {self.base_batch_size:g}"
+                " so that its learning rate continues where it was"
+            )
         self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers]
         if ctx.optimizers:
             lr = _configured_lr(ctx.optimizers[0])
+            assert self.base_batch_size is not None
             ctx.summary.append(lr_summary(lr, self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size))
 
     def _resolve_base(self, ctx: Context) -> float:
@@ -94,6 +101,7 @@ class LRScaling(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
+        assert self.base_batch_size is not None, "resolved at fit start"
         target = lr_scale(self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size)
         if target != self._warmup.target and self.rule != "none":
             over = f" over {self._warmup.steps} steps" if self._warmup.steps else ""
@@ -124,13 +132,16 @@ class LRScaling(Feature):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"warmup": self._warmup.state_dict(), "base_batch_size": self.base_batch_size}
+        state: dict[str, Any] = {"warmup": self._warmup.state_dict()}
+        if self.base_batch_size is not None:  # not before the first fit start (a tuner saves one then)
+            state["base_batch_size"] = self.base_batch_size
+        return state
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._warmup.load_state_dict(state.get("warmup", {}))
-        if "base_batch_size" in state:
-            self._restored_base = self.base_batch_size = float(state["base_batch_size"])
+        base = state.get("base_batch_size")
+        self.base_batch_size = None if base is None else float(base)
 
 
 def _configured_lr(optimizer: Any) -> float:

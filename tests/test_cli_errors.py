@@ -1,0 +1,215 @@
+"""A wrong value in a LightningCLI config ends the command with the key and the value in the last lines, no traceback.
+
+Every case is a real process: ``tests/scripts/tiny_cli.py`` (a LightningCLI of a tiny model with
+:class:`lightning_accum.cli.AccumulationArgumentParser`) run on a YAML config that is correct except for one value,
+given in the YAML or on the command line. The parser rejects the value before anything trains; the correct config
+itself trains (``test_the_correct_config_trains``), so each failure is the bad value's. The processes run in
+parallel, a few at a time; more cases run the same script's ``main`` in this process, as a process costs seconds of
+imports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import yaml
+
+from lightning_accum.cli import focus_config_error
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "tiny_cli.py"
+SCHEDULER = "lightning_accum.AccumulationScheduler"
+
+
+class Case(NamedTuple):
+    name: str
+    callback: dict[str, Any]  # the scheduler's init_args
+    key: str  # must be named in the last lines
+    value: str  # must be shown in the last lines
+    strategy: dict[str, Any] | None = None  # trainer.strategy
+    argv: tuple[str, ...] = ()  # after --config
+
+
+# each in a process of its own: the scheduler's arguments, a strategy's, and a value given on the command line
+CASES = [
+    Case("negative factor", {"scheduling": {0: -2}}, "scheduling", "-2"),
+    Case("zero factor", {"scheduling": {0: 1, 50: 0}}, "scheduling", "50: 0"),
+    Case("negative position", {"scheduling": {-1: 2}}, "scheduling", "-1"),
+    Case("fractional factor", {"scheduling": {0: 2.5}}, "scheduling", "2.5"),
+    Case("unit typo", {"unit": "epochs"}, "unit", "epochs"),
+    Case("zero target batch", {"target_batch_size": 0}, "target_batch_size", "0"),
+    Case(
+        "negative ramp increment",
+        {"target_batch_size": 64, "ramp_start_batch_size": 16, "ramp_increment": -1, "ramp_samples": 640},
+        "ramp_increment",
+        "-1",
+    ),
+    Case("zero micro-batch", {"micro_batch_size": 0}, "micro_batch_size", "0"),
+    Case("lr rule typo", {"lr_scaling": "cubic"}, "lr_scaling", "cubic"),
+    Case("negative warmup", {"lr_warmup_steps": -1}, "lr_warmup_steps", "-1"),
+    Case("normalize_by typo", {"normalize_by": "tokens"}, "normalize_by", "tokens"),
+    Case("decay above 1", {"noise_scale_decay": 1.5}, "noise_scale_decay", "1.5"),
+    Case("zero adaptive target", {"adaptive_target": 0}, "adaptive_target", "0"),
+    Case("zero adaptive max factor", {"adaptive_max_factor": 0}, "adaptive_max_factor", "0"),
+    Case(
+        "DDP gradient_sync typo",
+        {},
+        "gradient_sync",
+        "lastt",
+        strategy={"class_path": "lightning_accum.DDPAccumulationStrategy", "init_args": {"gradient_sync": "lastt"}},
+    ),
+    Case("unit on the command line", {}, "unit", "epochs", argv=("--trainer.callbacks.init_args.unit=epochs",)),
+]
+# the same checks in this test's process (a process costs seconds of imports): more strategies and command lines
+MORE_CASES = [
+    Case("negative adaptive target", {"adaptive_target": -1}, "adaptive_target", "-1"),
+    # a combination no single type rejects: the constructor's message, without a traceback
+    Case("adaptive without noise scale", {"adaptive": True}, "adaptive", "noise_scale=False"),
+    Case(
+        "FSDP gradient_sync typo",
+        {},
+        "gradient_sync",
+        "each",
+        strategy={"class_path": "lightning_accum.FSDPAccumulationStrategy", "init_args": {"gradient_sync": "each"}},
+    ),
+    Case(
+        "FSDP2 gradient_sync typo",
+        {},
+        "gradient_sync",
+        "reduce-scatter",
+        strategy={
+            "class_path": "lightning_accum.ModelParallelAccumulationStrategy",
+            "init_args": {"gradient_sync": "reduce-scatter"},
+        },
+    ),
+    Case(
+        "DDP argument passed through",
+        {},
+        "start_method",
+        "fork2",
+        strategy={"class_path": "lightning_accum.DDPAccumulationStrategy", "init_args": {"start_method": "fork2"}},
+    ),
+    Case(
+        "decay on the command line",
+        {},
+        "noise_scale_decay",
+        "-0.5",
+        argv=("--trainer.callbacks.init_args.noise_scale_decay=-0.5",),
+    ),
+    Case(
+        "gradient_sync on the command line",
+        {},
+        "gradient_sync",
+        "evry",
+        argv=("--trainer.strategy=lightning_accum.DDPAccumulationStrategy", "--trainer.strategy.gradient_sync=evry"),
+    ),
+]
+
+
+def _config(case: Case | None) -> dict[str, Any]:
+    trainer: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "fast_dev_run": 4,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "logger": False,
+    }
+    init_args: dict[str, Any] = {"scheduling": {0: 2}, "unit": "step"}
+    if case is not None:
+        if "target_batch_size" in case.callback:  # a target batch replaces the factors
+            init_args = {}
+        init_args.update(case.callback)
+        if case.strategy is not None:
+            trainer["strategy"] = case.strategy
+    trainer["callbacks"] = [{"class_path": SCHEDULER, "init_args": init_args}]
+    return {"trainer": trainer, "data": {"batch_size": 4}}
+
+
+def _run(config: dict[str, Any], path: Path, argv: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "fit", "--config", str(path), *argv],
+        cwd=path.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,  # the combined output, in the order it was written
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every case and the correct config, run in parallel once for the module."""
+    folder = tmp_path_factory.mktemp("cli_errors")
+    jobs = {case.name: (_config(case), folder / f"case{index}.yaml", case.argv) for index, case in enumerate(CASES)}
+    jobs["correct"] = (_config(None), folder / "correct.yaml", ())
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = {name: pool.submit(_run, *job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def test_the_correct_config_trains(runs):
+    done = runs["correct"]
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout
+
+
+def _check(case: Case, output: str) -> None:
+    last = "\n".join([line for line in output.splitlines() if line.strip()][-5:])
+    assert "Traceback" not in output, output[-3000:]
+    assert case.key in last, last
+    assert re.search(rf"(?<![\w.]){re.escape(case.value)}(?![\w.])", last), last
+    # none of the alternatives that were not meant: the union's NoneType and Callback-subclass explanations
+    assert "NoneType" not in last
+    assert "Not a valid subclass" not in last
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_a_wrong_value_ends_the_process_naming_its_key_and_value_in_the_last_lines(runs, case):
+    done = runs[case.name]
+    assert done.returncode != 0, done.stdout[-3000:]
+    _check(case, done.stdout)
+
+
+@pytest.fixture(scope="module")
+def tiny_cli():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import tiny_cli
+
+        yield tiny_cli
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+@pytest.mark.parametrize("case", MORE_CASES, ids=[case.name for case in MORE_CASES])
+@pytest.mark.filterwarnings("ignore:(?s).*only one JsonargparseDeprecationWarning per type")  # from Lightning's calls
+def test_a_wrong_value_exits_naming_its_key_and_value_in_the_last_lines(tiny_cli, case, tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(_config(case)))
+    with pytest.raises(SystemExit) as exited:
+        tiny_cli.main(["fit", "--config", str(path), *case.argv])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    _check(case, captured.out + captured.err)
+
+
+def test_a_message_it_does_not_recognize_is_kept_as_it_is():
+    message = "Parser key \"trainer.max_steps\":\n  Expected a <class 'int'>. Got value: many"
+    assert focus_config_error(message) == message
+    # a union with several alternatives and no class named keeps every alternative
+    union = (
+        'Parser key "x":\n  Does not validate against any of the Union subtypes\n  Subtypes: [int, str]\n'
+        "  Errors:\n    - Expected a <class 'int'>\n    - Expected a <class 'str'>\n"
+        "  Given value type: <class 'list'>\n  Given value: []"
+    )
+    assert focus_config_error(union) == union
