@@ -234,7 +234,8 @@ class AccumulationScheduler(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
         if not self._take_charge(trainer):
             return
-        ctx = self._ctx
+        ctx, loop = self._ctx, self._loop
+        assert loop is not None, "_take_charge checked it"
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         ctx.optimizer_steps = trainer.global_step
@@ -243,7 +244,7 @@ class AccumulationScheduler(Callback):
             self._features.dispatch(Event.WINDOW_OPENING, ctx)
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
             ctx.window.open(int(min(ctx.factor, trainer.num_training_batches - batch_idx)))
-            self._loop.set_factor(ctx.window.size)  # type: ignore[union-attr]  # the divisor of each loss
+            loop.set_factor(ctx.window.size)  # the divisor Lightning applies to each loss
             ctx.summary = []
             self._features.dispatch(Event.WINDOW_OPENED, ctx)
         ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
