@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 _SHADOWED = (
     ("epoch_loop", "_should_accumulate"),
@@ -64,6 +65,34 @@ class LoopControl:
     def following(self) -> bool:
         """Whether Lightning's own arithmetic decides, with a factor another component set."""
         return self._following
+
+    def take_charge(self, at_epoch_start: bool) -> bool:
+        """Route to the window, unless another component has set the factor: then follow it and return ``False``.
+
+        Such a factor is followed from an epoch's start (as ``StochasticWeightAveraging`` sets one for its BatchNorm
+        epoch) until it is given back at an epoch's start.
+
+        Raises:
+            RuntimeError: If the factor was set, or given back, in the middle of an epoch: that would split a window.
+        """
+        changed = self.changed_elsewhere()
+        if changed != self._following and not at_epoch_start:
+            raise RuntimeError(
+                f"`trainer.accumulate_grad_batches` was set to {self._trainer.accumulate_grad_batches} in the middle"
+                " of an epoch; AccumulationScheduler sets it itself, and follows another component's value only from"
+                " an epoch's start to an epoch's start: change it in `on_train_epoch_start` and give it back in"
+                " `on_train_epoch_end`, or give the factor to AccumulationScheduler"
+            )
+        if not changed:
+            self.lead()
+            return True
+        if not self._following:
+            rank_zero_info(
+                f"AccumulationScheduler: another component set `trainer.accumulate_grad_batches ="
+                f" {self._trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back"
+            )
+        self.follow()
+        return False
 
     def lead(self) -> None:
         """Route the decisions to the window."""

@@ -326,31 +326,9 @@ class AccumulationScheduler(Callback):
         return self._loop is not None and self._loop.in_charge
 
     def _take_charge(self, trainer: pl.Trainer) -> bool:
-        """Whether the windows run this micro-step: not while another component sets the factor itself.
-
-        Such a factor is followed from an epoch's first batch (as ``StochasticWeightAveraging`` sets one for its
-        BatchNorm epoch) until it is set back at an epoch's first batch; a change anywhere else would split a
-        window, and raises.
-        """
+        """Whether the windows run this micro-step (not while another component sets the factor itself)."""
         assert self._loop is not None, "setup creates the loop control"
-        changed = self._loop.changed_elsewhere()
-        if changed != self._loop.following and trainer.fit_loop.epoch_loop.batch_idx > 0:
-            raise RuntimeError(
-                f"`trainer.accumulate_grad_batches` was set to {trainer.accumulate_grad_batches} in the middle of an"
-                " epoch; AccumulationScheduler sets it itself, and follows another component's value only from an"
-                " epoch's start to an epoch's start: change it in `on_train_epoch_start` and give it back in"
-                " `on_train_epoch_end`, or give the factor to AccumulationScheduler"
-            )
-        if not changed:
-            self._loop.lead()
-            return True
-        if not self._loop.following:
-            rank_zero_info(
-                f"AccumulationScheduler: another component set `trainer.accumulate_grad_batches ="
-                f" {trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back"
-            )
-        self._loop.follow()
-        return False
+        return self._loop.take_charge(at_epoch_start=trainer.fit_loop.epoch_loop.batch_idx == 0)
 
     def _scheduled_factor(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"

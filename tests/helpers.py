@@ -6,6 +6,7 @@ micro-batches, with the windows written out by hand in each test.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -73,15 +74,25 @@ def trainer(callbacks: Sequence[pl.Callback] = (), **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(callbacks=list(callbacks), **defaults)
 
 
-def reference_weights(
-    x: torch.Tensor, y: torch.Tensor, batch_size: int, windows: Sequence[Sequence[int]], seed: int = 1, lr: float = LR
-) -> list[torch.Tensor]:
-    """Plain PyTorch: for each epoch, one SGD step per window on the mean loss over the window's micro-batches."""
+def reference_snapshots(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    windows: Sequence[Sequence[int]],
+    seed: int = 1,
+    lr: float = LR,
+) -> list[list[torch.Tensor]]:
+    """Plain PyTorch, one SGD step per window on the mean loss over its micro-batches; the weights after every step.
+
+    ``windows[e]`` are the window sizes of epoch ``e``, consecutive from the epoch's first batch; they need not cover
+    the epoch (``max_steps``, a stop, a skipped rest). Index 0 holds the weights before any step.
+    """
     net = make_net(seed)
     optimizer = torch.optim.SGD(net.parameters(), lr=lr)
     batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
+    snapshots = [[p.detach().clone() for p in net.parameters()]]
     for epoch_windows in windows:
-        assert sum(epoch_windows) == len(batches), "the windows of an epoch must cover its batches"
+        assert sum(epoch_windows) <= len(batches), "the windows of an epoch cannot hold more than its batches"
         start = 0
         for size in epoch_windows:
             window = batches[start : start + size]
@@ -90,7 +101,17 @@ def reference_weights(
             loss = sum(nn.functional.mse_loss(net(bx), by) for bx, by in window) / len(window)
             loss.backward()
             optimizer.step()
-    return [p.detach().clone() for p in net.parameters()]
+            snapshots.append([p.detach().clone() for p in net.parameters()])
+    return snapshots
+
+
+def reference_weights(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, windows: Sequence[Sequence[int]], seed: int = 1, lr: float = LR
+) -> list[torch.Tensor]:
+    """Plain PyTorch: for each epoch, one SGD step per window on the mean loss over the window's micro-batches."""
+    batches = math.ceil(len(x) / batch_size)
+    assert all(sum(epoch_windows) == batches for epoch_windows in windows), "the windows must cover each epoch"
+    return reference_snapshots(x, y, batch_size, windows, seed, lr)[-1]
 
 
 def weights(module: pl.LightningModule) -> list[torch.Tensor]:

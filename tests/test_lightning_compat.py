@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
 from typing import Any
 from unittest.mock import patch
 
@@ -46,6 +45,7 @@ from tests.helpers import (
     make_data,
     make_net,
     max_deviation,
+    reference_snapshots,
     trainer,
     weights,
 )
@@ -54,37 +54,6 @@ TOLERANCE = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------- shared helpers
-
-
-def reference_snapshots(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    batch_size: int,
-    windows: Sequence[Sequence[int]],
-    seed: int = 1,
-    lr: float = LR,
-) -> list[list[torch.Tensor]]:
-    """Plain PyTorch, one SGD step per window; the weights after every optimizer step (index 0: before any step).
-
-    ``windows[e]`` are the window sizes of epoch ``e``, consecutive from the epoch's first batch; unlike
-    ``tests.helpers.reference_weights`` they need not cover the epoch (``max_steps``, a stop, a skipped rest).
-    """
-    net = make_net(seed)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr)
-    batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, len(x), batch_size)]
-    snapshots = [[p.detach().clone() for p in net.parameters()]]
-    for epoch_windows in windows:
-        assert sum(epoch_windows) <= len(batches), "the windows of an epoch cannot hold more than its batches"
-        start = 0
-        for size in epoch_windows:
-            window = batches[start : start + size]
-            start += size
-            optimizer.zero_grad()
-            loss = sum(nn.functional.mse_loss(net(bx), by) for bx, by in window) / len(window)
-            loss.backward()
-            optimizer.step()
-            snapshots.append([p.detach().clone() for p in net.parameters()])
-    return snapshots
 
 
 def reference(x, y, batch_size, windows, seed=1, lr=LR) -> list[torch.Tensor]:
