@@ -139,6 +139,7 @@ class ScaledStep:
     """
 
     def __init__(self, optimizer: Optimizer, scale: Any) -> None:
+        self._optimizer = optimizer
         self._scale = scale
         self._unscaled: list[Any] | None = None
         self._handles: list[RemovableHandle] = [
@@ -179,7 +180,8 @@ class ScaledStep:
         self._unscaled = None
 
     def remove(self) -> None:
-        """Detach from the optimizer."""
+        """Detach from the optimizer, putting back the configured values if an update raised while scaled."""
+        self._restore(self._optimizer)
         for handle in self._handles:
             handle.remove()
         self._handles = []

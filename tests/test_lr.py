@@ -121,3 +121,39 @@ def test_a_batch_skipped_with_minus_one_does_not_step_the_lr_scheduler():
     fit_trainer.fit(model, loader(x, y, 4))  # windows 0-2 step; 3-4 never finish: batch 5 skips the rest
     assert fit_trainer.global_step == 1
     assert fit_trainer.lr_scheduler_configs[0].scheduler.last_epoch == 1
+
+
+@pytest.mark.parametrize("where", ["on_before_optimizer_step", "optimizer_update"])
+def test_an_exception_in_a_step_leaves_the_configured_lr_in_the_optimizer_and_the_checkpoint(tmp_path, where):
+    """The scale is applied only for the update: nothing raised or saved around it sees the scaled value."""
+    from lightning.pytorch.callbacks import Callback, OnExceptionCheckpoint
+
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            if where == "optimizer_update" and self.fail:
+                closure()
+                raise RuntimeError("update failed")
+            return super().step(closure)
+
+    class Module(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = Failing(self.parameters(), lr=0.1)
+            optimizer.fail = False
+            return optimizer
+
+    class FailAtStep2(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 2:
+                optimizer.fail = True
+                if where == "on_before_optimizer_step":
+                    raise RuntimeError("hook failed")
+
+    x, y = make_data(40)
+    callback = AccumulationScheduler({0: 2}, lr_scaling="linear", base_batch_size=4)  # scale 2
+    saved = OnExceptionCheckpoint(dirpath=tmp_path, filename="on_exception")
+    fit_trainer = trainer([callback, FailAtStep2(), saved], max_epochs=1, enable_checkpointing=True)
+    with pytest.raises(RuntimeError, match="failed"):
+        fit_trainer.fit(Module(), loader(x, y, 4))
+    assert fit_trainer.optimizers[0].param_groups[0]["lr"] == 0.1
+    checkpoint = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1

@@ -48,3 +48,18 @@ def test_scaled_step_uses_the_scale_only_inside_step():
     optimizer.step()
     assert param.detach().tolist() == pytest.approx([-0.3, -0.3])
     assert seen == [0.1, 0.1]  # hooks registered before ours see the scheduler's value
+
+
+def test_an_update_that_raises_leaves_the_lr_scaled_only_until_the_scale_is_removed():
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):  # the update itself raises, after the scale was applied
+            raise RuntimeError("update failed")
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = Failing([param], lr=0.1)
+    scaled = ScaledStep(optimizer, lambda: 4.0)
+    param.grad = torch.ones(1)
+    with pytest.raises(RuntimeError, match="update failed"):
+        optimizer.step()
+    scaled.remove()  # what the callback does on the exception, before checkpoints are written
+    assert optimizer.param_groups[0]["lr"] == 0.1
