@@ -41,8 +41,8 @@ def parse_scheduling(value: Any) -> dict[int, int]:
 
     Raises:
         TypeError: If ``value`` is not a mapping.
-        ValueError: If it is empty, a position is not an integer >= 0 or a factor not an integer >= 1; the message
-            names the pair.
+        ValueError: If a position is not an integer >= 0 or a factor not an integer >= 1; the message names the
+            pair. (An empty mapping parses; the constructor refuses it.)
 
     Example::
 
@@ -53,8 +53,8 @@ def parse_scheduling(value: Any) -> dict[int, int]:
 
     if not isinstance(value, dict):
         raise TypeError(f"expected a mapping {{position: factor}}, got {value!r}")
-    if not value:
-        raise ValueError("expected at least one {position: factor} pair, e.g. {0: 4}, got {}")
+    # an empty mapping parses: jsonargparse would otherwise read `{}` on the command line as a bare Callback and drop
+    # the scheduler; its constructor refuses it, with a message naming `scheduling`
     checked = {}
     for key, factor in value.items():
         try:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from torch.optim import Optimizer
+from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 
 LRScaling = Literal["none", "linear", "sqrt"]
@@ -119,7 +119,8 @@ class ScaledStep:
     Lightning runs the window's last micro-step (forward, backward, ``on_before_optimizer_step``, clipping) inside
     ``optimizer.step(closure)``. The scale is applied after that closure returns, just before the update, and the
     configured values are put back right after it, so no hook, exception or checkpoint ever sees a scaled ``lr``
-    (without a closure, as under AMP's GradScaler, it is applied as the step begins).
+    (without a closure, as under AMP's GradScaler, and for L-BFGS, which reads its ``lr`` before calling the closure,
+    it is applied as the step begins).
 
     Args:
         optimizer: The optimizer to scale.
@@ -147,10 +148,21 @@ class ScaledStep:
             optimizer.register_step_post_hook(self._restore),
         ]
 
+    @property
+    def optimizer(self) -> Optimizer:
+        """The optimizer this scale is attached to."""
+        return self._optimizer
+
+    def configured(self) -> list[float]:
+        """The param groups' learning rates without the scale, also while it is applied."""
+        if self._unscaled is not None:
+            return list(self._unscaled)
+        return [group["lr"] for group in self._optimizer.param_groups]
+
     def _before_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # torch hands a pre-hook the step's own arguments: (optimizer, closure?) and its keywords
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is None:
+        if closure is None or isinstance(optimizer, LBFGS):  # L-BFGS reads its lr before it calls the closure
             self._apply(optimizer)
             return None
 
@@ -164,7 +176,7 @@ class ScaledStep:
         return (args[0], scaled_closure, *args[2:]), kwargs
 
     def _apply(self, optimizer: Optimizer) -> None:
-        if self._unscaled is not None:  # an optimizer that calls its closure more than once (L-BFGS)
+        if self._unscaled is not None:  # once per step
             return
         scale = self._scale()
         self._unscaled = [group["lr"] for group in optimizer.param_groups]

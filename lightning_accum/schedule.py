@@ -106,7 +106,9 @@ class Schedule:
                 f" {type(scheduling).__name__}"
             )
         if not scheduling:
-            raise ValueError(f"`{name}` must not be empty: give at least one {{position: factor}} pair, e.g. {{0: 4}}")
+            raise ValueError(
+                f"`{name}` must not be empty: give at least one {{position: factor}} pair, e.g. {{0: 4}}; got {{}}"
+            )
         points = {}
         for key, factor in scheduling.items():
             check_int(f"{name} key {key!r}", key, minimum=0)

@@ -66,6 +66,8 @@ CASES = [
         strategy={"class_path": "lightning_accum.DDPAccumulationStrategy", "init_args": {"gradient_sync": "lastt"}},
     ),
     Case("unit on the command line", {}, "unit", "epochs", argv=("--trainer.callbacks.init_args.unit=epochs",)),
+    # found in review: `{}` on the command line used to be read as a bare Callback, dropping the scheduler silently
+    Case("empty schedule on the command line", {}, "scheduling", "{}", argv=("--trainer.callbacks.scheduling={}",)),
 ]
 # the same checks in this test's process (a process costs seconds of imports): more strategies and command lines
 MORE_CASES = [

@@ -63,3 +63,26 @@ def test_an_update_that_raises_leaves_the_lr_scaled_only_until_the_scale_is_remo
         optimizer.step()
     scaled.remove()  # what the callback does on the exception, before checkpoints are written
     assert optimizer.param_groups[0]["lr"] == 0.1
+
+
+def test_lbfgs_which_reads_its_lr_before_the_closure_steps_with_the_scaled_lr():
+    def run(lr, scale=None):
+        param = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        optimizer = torch.optim.LBFGS([param], lr=lr, max_iter=3)
+        scaled = ScaledStep(optimizer, lambda: scale) if scale else None
+
+        def closure():
+            optimizer.zero_grad()
+            loss = (param**2).sum()
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+        if scaled:
+            scaled.remove()
+        return param.detach().tolist(), optimizer.param_groups[0]["lr"]
+
+    plain, _ = run(0.2)
+    scaled, lr_after = run(0.1, scale=2.0)
+    assert scaled == pytest.approx(plain, rel=1e-6)
+    assert lr_after == 0.1

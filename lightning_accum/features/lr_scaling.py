@@ -111,8 +111,10 @@ class LRScaling(Feature):
 
     @override
     def window_closing(self, ctx: Context) -> None:
-        # what ScaledStep hands the optimizer in a moment; the LR scheduler steps only after the optimizer
-        self._used = [float(group["lr"] * self._scale) for group in ctx.optimizer.param_groups]
+        # what ScaledStep hands the optimizer for the update; the LR scheduler steps only after the optimizer
+        scaled = next((s for s in self._scaled_steps if s.optimizer is ctx.optimizer), None)
+        configured = scaled.configured() if scaled else [group["lr"] for group in ctx.optimizer.param_groups]
+        self._used = [float(lr * self._scale) for lr in configured]
 
     @override
     def window_closed(self, ctx: Context) -> None:
