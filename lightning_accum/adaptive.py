@@ -10,6 +10,7 @@ and broadcasts the decision so that every rank takes the same one.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lightning_accum.schedule import check_int
@@ -39,8 +40,8 @@ class AdaptiveFactor:
     """
 
     def __init__(self, target: float = 1.0, max_factor: int = 64, interval: int = 50, patience: int = 2) -> None:
-        if isinstance(target, bool) or not isinstance(target, (int, float)) or not target > 0:
-            raise ValueError(f"`adaptive_target` must be a positive number, got {target!r}")
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
+            raise ValueError(f"`adaptive_target` must be a positive finite number, got {target!r}")
         self.target = float(target)
         self.max_factor = check_int("adaptive_max_factor", max_factor, minimum=1)
         self.interval = check_int("adaptive_interval", interval, minimum=1)

@@ -215,14 +215,15 @@ class BatchSizeRamp:
 
     def __post_init__(self) -> None:
         for field in ("start", "increment", "samples", "target"):
-            check_int(f"ramp_{field}" if field != "target" else "target_batch_size", getattr(self, field), minimum=1)
+            name = {"start": "ramp_start_batch_size", "target": "target_batch_size"}.get(field, f"ramp_{field}")
+            check_int(name, getattr(self, field), minimum=1)
         if self.start >= self.target:
             raise ValueError(
-                f"`ramp_start={self.start}` must be smaller than `target_batch_size={self.target}` for a ramp"
+                f"`ramp_start_batch_size={self.start}` must be smaller than `target_batch_size={self.target}`"
             )
         if (self.target - self.start) % self.increment:
             raise ValueError(
-                f"`ramp_increment={self.increment}` must divide target_batch_size - ramp_start ="
+                f"`ramp_increment={self.increment}` must divide target_batch_size - ramp_start_batch_size ="
                 f" {self.target} - {self.start} = {self.target - self.start}"
             )
 
@@ -275,10 +276,10 @@ def build_schedule(
     if invalid:
         per_micro_step = micro_batch_size * world_size
         raise ValueError(
-            f"The batch-size ramp (ramp_start={ramp.start}, ramp_increment={ramp.increment},"
+            f"The batch-size ramp (ramp_start_batch_size={ramp.start}, ramp_increment={ramp.increment},"
             f" target_batch_size={ramp.target}) passes through global batch sizes {invalid} that are not multiples of"
             f" micro_batch_size x world_size = {micro_batch_size} x {world_size} = {per_micro_step}: choose"
-            f" ramp_start and ramp_increment as multiples of {per_micro_step}"
+            f" ramp_start_batch_size and ramp_increment as multiples of {per_micro_step}"
         )
     return Schedule(points=tuple(points), unit="sample")
 

@@ -29,7 +29,8 @@ def test_the_policy_doubles_after_patience_and_only_up_to_the_bound():
     [
         ({"adaptive": True}, ValueError, "set noise_scale=True as well"),
         ({"adaptive": "yes", "noise_scale": True}, TypeError, "`adaptive` must be a bool"),
-        ({"adaptive_target": 0}, ValueError, "`adaptive_target` must be a positive number, got 0"),
+        ({"adaptive_target": 0}, ValueError, "`adaptive_target` must be a positive finite number, got 0"),
+        ({"adaptive_target": float("inf")}, ValueError, "`adaptive_target` must be a positive finite number, got inf"),
         ({"adaptive_max_factor": 0}, ValueError, "`adaptive_max_factor` must be an integer >= 1, got 0"),
         ({"adaptive_interval": 2.5}, TypeError, "`adaptive_interval` must be an integer"),
     ],

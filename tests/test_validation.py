@@ -34,7 +34,7 @@ BAD_ARGUMENTS = [
     (
         dict(target_batch_size=64, ramp_start_batch_size=128, ramp_increment=8, ramp_samples=100),
         ValueError,
-        r"`ramp_start=128` must be smaller than `target_batch_size=64`",
+        r"`ramp_start_batch_size=128` must be smaller than `target_batch_size=64`",
     ),
     (
         dict(target_batch_size=64, ramp_start_batch_size=8, ramp_increment=0, ramp_samples=100),
@@ -44,7 +44,7 @@ BAD_ARGUMENTS = [
     (
         dict(target_batch_size=64, ramp_start_batch_size=8, ramp_increment=10, ramp_samples=100),
         ValueError,
-        r"`ramp_increment=10` must divide target_batch_size - ramp_start = 64 - 8 = 56",
+        r"`ramp_increment=10` must divide target_batch_size - ramp_start_batch_size = 64 - 8 = 56",
     ),
     (
         dict(target_batch_size=64, ramp_start_batch_size=8, ramp_increment=8, ramp_samples=-5),
