@@ -332,8 +332,7 @@ class AccumulationScheduler(Callback):
 
     def _scheduled_factor(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"
-        position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": self._ctx.samples_seen}
-        return self._schedule.factor_at(position[self._schedule.unit])
+        return self._schedule.factor_at(_position(trainer, self._ctx.samples_seen)[self._schedule.unit])
 
     def _release(self, trainer: pl.Trainer) -> None:
         """Give the Trainer back as it was; safe to call more than once."""
@@ -429,10 +428,14 @@ def _count_steps(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int 
     )
 
 
+def _position(trainer: pl.Trainer, samples_seen: int) -> dict[str, int]:
+    """Where the run is, in each unit a schedule can be keyed by."""
+    return {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": samples_seen}
+
+
 def _factor_before_training(trainer: pl.Trainer, spec: ScheduleSpec, samples_seen: int) -> int:
     """The first window's factor, for what runs the loop before the windows take charge (a tuner)."""
-    position = {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": samples_seen}
-    factor = spec.factor_before_loading(position, trainer.world_size)
+    factor = spec.factor_before_loading(_position(trainer, samples_seen), trainer.world_size)
     if factor is not None:
         return factor
     if any(isinstance(callback, LearningRateFinder) for callback in trainer.callbacks):  # type: ignore[attr-defined]
