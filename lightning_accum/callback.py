@@ -9,6 +9,7 @@ window plus each feature's state under the feature's name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -203,9 +204,9 @@ class AccumulationScheduler(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctx = self._ctx
-        # the one place the micro-batch size is decided: rank zero's, so every rank builds the same schedule
-        ctx.micro_batch_size = trainer.strategy.broadcast(
-            _infer_micro_batch_size(trainer, self._spec.micro_batch_size), src=0
+        # the one place the micro-batch size is decided, the same on every rank, so every rank builds one schedule
+        ctx.micro_batch_size = _agree_across_ranks(
+            trainer, _infer_micro_batch_size(trainer, self._spec.micro_batch_size), self._spec.micro_batch_size
         )
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
@@ -248,7 +249,7 @@ class AccumulationScheduler(Callback):
             ctx.summary = []
             self._features.dispatch(Event.WINDOW_OPENED, ctx)
         ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
-        ctx.batch = batch
+        ctx.batch, ctx.batch_idx = batch, batch_idx
         self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
 
     @override
@@ -373,6 +374,46 @@ def _infer_micro_batch_size(trainer: pl.Trainer, given: int | None) -> int | Non
         return None
     size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def _agree_across_ranks(trainer: pl.Trainer, micro_batch_size: int | None, given: int | None) -> int | None:
+    """The micro-batch size every rank uses; raise on every rank if the ranks' loaders disagree on what windows need.
+
+    One all-gather at the start of the fit: each rank's inferred micro-batch size and batches per epoch. Ranks with
+    different numbers of batches would leave one rank waiting for the others in a reduction; ranks that infer
+    different micro-batch sizes would count samples (``unit="sample"``, targets, ramps, LR rules) differently.
+
+    Raises:
+        ValueError: On every rank, naming each rank's value, if they disagree.
+    """
+    if trainer.world_size == 1:
+        return micro_batch_size
+    batches = trainer.num_training_batches
+    local = torch.tensor(
+        [micro_batch_size or -1, batches if math.isfinite(batches) else -1],
+        dtype=torch.float64,
+        device=trainer.strategy.root_device,
+    )
+    gathered = trainer.strategy.all_gather(local).reshape(-1, 2).cpu().tolist()
+    sizes = [None if size < 0 else int(size) for size, _ in gathered]
+    lengths = [None if length < 0 else int(length) for _, length in gathered]
+
+    def by_rank(values: list[int | None]) -> str:
+        return ", ".join(f"rank {rank}: {'unknown' if value is None else value}" for rank, value in enumerate(values))
+
+    if len(set(lengths)) > 1:
+        raise ValueError(
+            f"AccumulationScheduler: the ranks disagree on the number of training batches per epoch"
+            f" ({by_rank(lengths)}): a window would wait forever for a rank that ran out of data. Keep Lightning's"
+            " DistributedSampler (`Trainer(use_distributed_sampler=True)`) or give every rank as many batches"
+        )
+    if given is None and len(set(sizes)) > 1:
+        raise ValueError(
+            f"AccumulationScheduler: the ranks' DataLoaders disagree on the micro-batch size ({by_rank(sizes)}),"
+            " so they would count samples differently. Give every rank's DataLoader the same `batch_size`, or pass"
+            " `micro_batch_size` to AccumulationScheduler to say how many samples a rank's micro-batch counts"
+        )
+    return sizes[0]
 
 
 def _check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: AccumulationScheduler) -> None:

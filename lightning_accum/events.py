@@ -91,6 +91,7 @@ class Context:
         factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
         factor_floor: Published at ``WINDOW_OPENING`` by adaptive growth: the smallest factor from now on.
         batch: The micro-batch in progress.
+        batch_idx: Its index in the epoch (the loop's own).
         loss: At ``BEFORE_BACKWARD`` the tensor backward runs on (the micro-batch's loss divided by
             ``loss_divisor``; a feature may re-weigh it in place); at ``MICRO_BATCH_ENDED`` the loss
             ``training_step`` returned, divided by the window's size, or ``None``.
@@ -130,6 +131,7 @@ class Context:
     factor: int = 1
     factor_floor: int = 1
     batch: Any = None
+    batch_idx: int = 0
     loss: torch.Tensor | None = None
     loss_divisor: float | torch.Tensor = 1.0
     optimizer: Any = None

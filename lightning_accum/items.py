@@ -7,6 +7,8 @@ callback adds them up over the window and reduces the total across ranks once pe
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -96,6 +98,63 @@ def make_counter(
     if normalize_by == "sample":
         return count_samples
     return functools.partial(count_tokens, key=token_key, ignore_index=ignore_index)  # picklable, unlike a lambda
+
+
+def check_count(value: Any, batch_idx: int, source: str = "count_items") -> torch.Tensor | float:
+    """Check what a counter returned for one micro-batch: one real number, and, if it is on the host, finite and >= 0.
+
+    A tensor's value is not read here (that would wait for the device each micro-batch): :func:`invalid_counts`
+    checks it with the window's other counts, once per optimizer step.
+
+    Args:
+        value: The count: a Python or NumPy number, or a one-element tensor.
+        batch_idx: The micro-batch's index in its epoch, for the message.
+        source: What produced the count (``count_items``, or the rule of ``normalize_by``), for the message.
+
+    Raises:
+        TypeError: If ``value`` is not a real number or a one-element real tensor.
+        ValueError: If a host number is negative, NaN or infinite, or a tensor has more than one element.
+
+    Example::
+
+        >>> check_count(3, batch_idx=0)
+        3.0
+        >>> check_count(-1, batch_idx=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: `count_items` returned -1 for batch 4: a micro-batch's count must be a finite number >= 0
+    """
+    hint = "a micro-batch's count must be a finite number >= 0"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(
+                f"`{source}` returned a tensor of shape {tuple(value.shape)} for batch {batch_idx}: return one number"
+                " per micro-batch (a Python number or a one-element tensor)"
+            )
+        if value.dtype == torch.bool or value.is_complex():
+            raise TypeError(f"`{source}` returned a {value.dtype} tensor for batch {batch_idx}: {hint}")
+        return value.reshape(())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{source}` returned {value!r} ({type(value).__name__}) for batch {batch_idx}: {hint}"
+            " (an int, a float or a one-element tensor)"
+        )
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"`{source}` returned {value!r} for batch {batch_idx}: {hint}")
+    return number
+
+
+def invalid_counts(counts: Sequence[tuple[int, torch.Tensor | float]]) -> list[tuple[int, float]]:
+    """The ``(batch_idx, value)`` of each count that is negative, NaN or infinite (reads tensors: once per window).
+
+    Example::
+
+        >>> invalid_counts([(0, torch.tensor(2.0)), (1, torch.tensor(float("nan")))])
+        [(1, nan)]
+    """
+    values = [(batch_idx, float(count)) for batch_idx, count in counts]
+    return [(batch_idx, value) for batch_idx, value in values if not math.isfinite(value) or value < 0]
 
 
 def _first_tensor(batch: Any) -> torch.Tensor | None:

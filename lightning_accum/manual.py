@@ -11,10 +11,11 @@ communication skipped on the window's non-final micro-steps through the strategy
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -23,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_accum.schedule import Schedule, check_int
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+from lightning_accum.sync import fsdp2_pending_gradients
 from lightning_accum.window import Window
 
 
@@ -48,6 +50,11 @@ class MicroStep:
         return loss / self.size
 
 
+def _grad_versions(params: Any) -> dict[int, tuple[int, int] | None]:
+    """Each parameter's gradient (identity, in-place version), to tell whether a backward has written it since."""
+    return {id(p): None if p.grad is None else (id(p.grad), p.grad._version) for p in params if p.requires_grad}
+
+
 class ManualAccumulation:
     """Window boundaries, loss divisor and sync skipping for manual optimization.
 
@@ -58,6 +65,9 @@ class ManualAccumulation:
     Raises:
         TypeError: If a factor or key is not an integer.
         ValueError: If a factor is below 1, a key is negative, or ``unit`` is unknown.
+        RuntimeError: On misuse, with what to do instead: ``micro_step`` under automatic optimization, nested, or
+            entered twice in one batch; ``optimizer.step()`` before the window's last micro-step, or for a window
+            that ran no backward.
 
     Example::
 
@@ -87,6 +97,17 @@ class ManualAccumulation:
         self._window = Window()
         self._warned = False
         self._where: tuple[int, int, int] | None = None  # (trainer, epoch, batch) of the last micro-step taken
+        self._active = False  # inside a `micro_step` block
+        self._hooked: int | None = None  # id of the Trainer whose optimizers carry the step check
+        self._handles: list[Any] = []
+        self._model: weakref.ref[torch.nn.Module] | None = None  # the strategy's model, for its pending gradients
+        self._grads_at_open: dict[int, tuple[int, int] | None] = {}  # each parameter's gradient when the window opened
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # the hooks and what they compare belong to one process
+        state.update(_hooked=None, _handles=[], _grads_at_open={}, _active=False, _model=None)
+        return state
 
     @property
     def factor(self) -> int:
@@ -109,8 +130,25 @@ class ManualAccumulation:
             The micro-step's place in its window.
         """
         trainer = module.trainer
+        if module.automatic_optimization:
+            raise RuntimeError(
+                "ManualAccumulation.micro_step is for manual optimization, but the module has"
+                " `automatic_optimization = True`: set `self.automatic_optimization = False` in `__init__`, or drop"
+                " ManualAccumulation and add `AccumulationScheduler` to the Trainer's callbacks"
+            )
+        if self._active:
+            raise RuntimeError(
+                "ManualAccumulation.micro_step was entered inside another `micro_step` block: enter it once per"
+                " `training_step`, around the micro-batch's forward and `manual_backward`"
+            )
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         where = (id(trainer), trainer.current_epoch, batch_idx)
+        if where == self._where:
+            raise RuntimeError(
+                f"ManualAccumulation.micro_step was entered twice for batch {batch_idx}: each `training_step` is one"
+                " micro-step; to split a batch, loop over its parts inside one `micro_step` block"
+            )
+        self._check_steps(trainer)
         if not self._window.closed and (self._where is None or where[:2] != self._where[:2] or where <= self._where):
             # a window left open by an epoch cut short, or by a fit that ended early: it never stepped
             self._discard(module)
@@ -118,19 +156,54 @@ class ManualAccumulation:
         if self._window.closed:
             position = trainer.current_epoch if self._unit == "epoch" else trainer.global_step
             self._window.open(int(min(self._schedule.factor_at(position), trainer.num_training_batches - batch_idx)))
+            self._grads_at_open = _grad_versions(module.parameters())
         self._window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
         window = self._window
         micro = MicroStep(size=window.size, index=window.size - 1 if window.closed else window.taken - 1)
         strategy = trainer.strategy
         self._warn_if_uncontrolled(strategy)
         skip = not micro.should_step and isinstance(strategy, ParallelStrategy)
-        with strategy.block_backward_sync() if skip else nullcontext():  # type: ignore[attr-defined]
-            yield micro
+        self._active = True
+        try:
+            with strategy.block_backward_sync() if skip else nullcontext():  # type: ignore[attr-defined]
+                yield micro
+        finally:
+            self._active = False
         if window.closed and window.gradient_correction != 1.0:
             with torch.no_grad():
                 for param in module.parameters():
                     if param.grad is not None:
                         param.grad.mul_(window.gradient_correction)
+
+    def _check_steps(self, trainer: pl.Trainer) -> None:
+        """Give each optimizer of this Trainer a step pre-hook that refuses a step the window does not allow."""
+        if self._hooked == id(trainer):
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = [optimizer.register_step_pre_hook(self._before_step) for optimizer in trainer.optimizers]
+        self._hooked = id(trainer)
+        self._model = weakref.ref(trainer.strategy.model) if trainer.strategy.model is not None else None
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        window = self._window
+        if window.size == 0:  # no micro-step yet: a step outside the accumulation is the user's business
+            return
+        if not window.closed:
+            raise RuntimeError(
+                f"optimizer.step() was called on micro-step {window.taken} of a window of {window.size}: the"
+                " gradient holds only part of the window. Step only when `micro.should_step` is true"
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        now = _grad_versions(params)
+        model = self._model() if self._model is not None else None
+        if all(now[key] is None or now[key] == self._grads_at_open.get(key) for key in now):
+            if fsdp2_pending_gradients(model):
+                return  # a backward ran, but its gradients await a reduction: the strategy's step check says so
+            raise RuntimeError(
+                "optimizer.step() was called for a window that ran no backward: call"
+                " `self.manual_backward(micro.scale(loss))` inside `with accumulation.micro_step(self) as micro:`"
+            )
 
     def _discard(self, module: pl.LightningModule) -> None:
         self._window.discard()

@@ -10,6 +10,7 @@ epoch's order; the reference draws the same orders from torch's DistributedSampl
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,16 +90,18 @@ def max_deviation(record: dict, windows: list[int], name: str = "") -> float:
     )
 
 
-def _launch(script: str, *args: str, out: Path) -> None:
+def _launch(script: str, *args: str, out: Path, limit: int = 600) -> None:
+    # `timeout -s KILL` kills the whole process group (Lightning's launcher starts rank 1 as rank 0's child, and
+    # swallows SIGTERM): a hang fails the test instead of holding the suite
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / script), *args, str(out)],
+        ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPTS / script), *args, str(out)],
         capture_output=True,
         text=True,
-        timeout=600,
         check=False,
     )
     output = done.stdout + done.stderr
     clues = [line for line in output.splitlines() if any(word in line for word in ("Error", "Traceback", "terminate"))]
+    assert done.returncode != 137, f"killed after {limit} s: a rank hung; {clues[-20:]}"
     assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n" + done.stdout[-2000:] + done.stderr[-4000:]
 
 
@@ -245,3 +248,63 @@ def test_fsdp1_sync_control_on_the_real_fsdp_class(tmp_path):
     assert every["reduce_scatters"] == UNITS * sum(windows)
     assert max_deviation(last, windows) <= 1e-5
     assert max_deviation(every, windows) <= 1e-5
+
+
+# ------------------------------------------------------------------ ranks that disagree on purpose
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("disagree_length", r"disagree on the number of training batches per epoch \(rank 0: 8, rank 1: 6\)"),
+        ("disagree_micro_batch", r"disagree on the micro-batch size \(rank 0: 4, rank 1: 2\).*`micro_batch_size`"),
+    ],
+)
+def test_ranks_that_disagree_on_their_data_raise_on_every_rank_before_training(backend, name, message, request):
+    records = _records(request.getfixturevalue(backend), name)
+    for record in records:
+        assert re.search(message, record["raised"])
+        assert record["optimizer_steps"] == 0
+    assert records[0]["weights"] == records[1]["weights"] == _untouched()
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_a_bad_count_on_one_rank_raises_on_every_rank_before_the_step(backend, request):
+    rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_bad_count")
+    assert "returned nan for batch 1" in rank1["raised"]
+    assert "on 1 other rank(s) in the window ending at batch 2" in rank0["raised"]
+    for record in (rank0, rank1):
+        assert record["optimizer_steps"] == 0
+        assert record["weights"] == _untouched()
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_a_given_micro_batch_size_counts_the_same_samples_on_ranks_with_different_loaders(backend, request):
+    rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_micro_batch_given")
+    # 8 samples a micro-step by the given size: 4 steps at factor 1, then factor 2 (2 steps left in epoch 0, 4 in 1)
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 10
+    assert rank0["weights"] == rank1["weights"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_a_rank_without_tokens_in_a_window_trains_as_one_big_batch(backend, request):
+    """Rank 1's first window bears no loss at all: the step is the mean over rank 0's tokens, on both ranks."""
+    rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_tokens")
+    assert rank0["weights"] == rank1["weights"]
+    tokens = make_tokens(NUM_SAMPLES)
+    tokens["labels"][32:44] = -100
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for _ in range(2):  # epochs: each rank's 8 micro-batches in order, in windows of 3, 3 and 2
+        for first, size in ((0, 3), (3, 3), (6, 2)):
+            index = [rank * 32 + 4 * j + i for rank in (0, 1) for j in range(first, first + size) for i in range(4)]
+            optimizer.zero_grad()
+            token_loss(net, tokens["features"][index], tokens["labels"][index]).backward()
+            optimizer.step()
+    for name, param in net.named_parameters():
+        assert (torch.tensor(rank0["weights"][name]) - param.detach().flatten()).abs().max().item() <= 1e-5
+
+
+def _untouched() -> dict[str, list[float]]:
+    return {name: param.detach().flatten().tolist() for name, param in make_net().named_parameters()}

@@ -3,10 +3,11 @@
 import copy
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.utils.data import DataLoader
 
-from lightning_accum import AccumulationScheduler
+from lightning_accum import AccumulationScheduler, ManualAccumulation
 from tests.helpers import BatchStream, RegressionModule, loader, make_data, max_deviation, trainer, weights
 
 BAD_ARGUMENTS = [
@@ -178,3 +179,129 @@ def test_a_failed_fit_gives_the_loop_back_to_lightning():
     assert "_should_accumulate" not in vars(epoch_loop)
     assert "_make_zero_grad_fn" not in vars(epoch_loop.automatic_optimization)
     assert fit_trainer.accumulate_grad_batches == 1
+
+
+def _count_at(bad_batch: int, value: object):
+    """A `count_items` that counts samples, except at `bad_batch`, where it returns `value`."""
+    seen = []
+
+    def count(batch):
+        seen.append(None)
+        return value if len(seen) - 1 == bad_batch else len(batch[0])
+
+    return count
+
+
+# what `count_items` returns at one micro-batch, and the error; windows of 4 micro-batches of 4 samples
+BAD_COUNTS = {
+    "negative int": (1, -1, ValueError, r"`count_items` returned -1 for batch 1: .*finite number >= 0"),
+    "NaN float": (2, float("nan"), ValueError, r"`count_items` returned nan for batch 2"),
+    "infinite float": (0, float("inf"), ValueError, r"`count_items` returned inf for batch 0"),
+    "negative tensor": (3, torch.tensor(-2.0), ValueError, r"`count_items` returned -2.0 for batch 3"),
+    "NaN tensor": (1, torch.tensor(float("nan")), ValueError, r"`count_items` returned nan for batch 1"),
+    "infinite tensor": (2, torch.tensor([float("inf")]), ValueError, r"`count_items` returned inf for batch 2"),
+    "None": (0, None, TypeError, r"`count_items` returned None \(NoneType\) for batch 0"),
+    "a string": (1, "4", TypeError, r"`count_items` returned '4' \(str\) for batch 1"),
+    "a bool": (0, True, TypeError, r"`count_items` returned True \(bool\) for batch 0"),
+    "a bool tensor": (0, torch.tensor(True), TypeError, r"`count_items` returned a torch.bool tensor for batch 0"),
+    "two numbers": (2, torch.tensor([1, 2]), ValueError, r"returned a tensor of shape \(2,\) for batch 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_COUNTS))
+def test_a_bad_count_items_result_raises_before_the_step(case):
+    bad_batch, value, error, message = BAD_COUNTS[case]
+    x, y = make_data(32)
+    model = RegressionModule()
+    before = weights(model)
+    callback = AccumulationScheduler({0: 4}, normalize_by="sample", count_items=_count_at(bad_batch, value))
+    fit_trainer = trainer([callback], max_epochs=1)
+    with pytest.raises(error, match=message):
+        fit_trainer.fit(model, loader(x, y, 4))
+    assert fit_trainer.global_step == 0
+    assert max_deviation(weights(model), before) == 0.0
+
+
+def test_a_window_without_items_raises_before_the_step():
+    x, y = make_data(32)
+    model = RegressionModule()
+    before = weights(model)
+    callback = AccumulationScheduler({0: 4}, normalize_by="token", count_items=lambda batch: torch.tensor(0))
+    fit_trainer = trainer([callback], max_epochs=1)
+    with pytest.raises(ValueError, match=r"`count_items` counted 0 tokens in the window of batches 0-3"):
+        fit_trainer.fit(model, loader(x, y, 4))
+    assert max_deviation(weights(model), before) == 0.0
+
+
+def test_zero_items_in_some_micro_batches_is_allowed():
+    x, y = make_data(32)
+    model = RegressionModule()
+    callback = AccumulationScheduler({0: 4}, normalize_by="sample", count_items=_count_at(1, 0))
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 4))
+    assert callback.features["item_weighting"].normalize_by == "sample"
+
+
+class MisusedManualAccumulation(RegressionModule):
+    """Manual optimization with ManualAccumulation, used wrongly in the way `misuse` names."""
+
+    def __init__(self, misuse: str) -> None:
+        super().__init__()
+        self.misuse = misuse
+        self.automatic_optimization = misuse == "automatic optimization"
+        self.accumulation = ManualAccumulation(scheduling=2)
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            with self.accumulation.micro_step(self) as micro:
+                return micro.scale(super().training_step(batch, batch_idx))
+        optimizer = self.optimizers()
+        with self.accumulation.micro_step(self) as micro:
+            if self.misuse == "nested":
+                with self.accumulation.micro_step(self):
+                    pass
+            if self.misuse != "step without backward":
+                self.manual_backward(micro.scale(super().training_step(batch, batch_idx)))
+        if self.misuse == "twice in one batch":
+            with self.accumulation.micro_step(self):
+                pass
+        if micro.should_step or self.misuse == "step before the window ends":
+            optimizer.step()
+            optimizer.zero_grad()
+        return None
+
+
+MANUAL_MISUSE = {
+    "automatic optimization": r"micro_step is for manual optimization.*automatic_optimization = False",
+    "nested": r"entered inside another `micro_step` block",
+    "twice in one batch": r"entered twice for batch 0",
+    "step before the window ends": r"optimizer.step\(\) was called on micro-step 1 of a window of 2",
+    "step without backward": r"window that ran no backward: call `self.manual_backward",
+}
+
+
+@pytest.mark.parametrize("misuse", list(MANUAL_MISUSE))
+def test_manual_accumulation_misuse_raises_before_any_weight_changes(misuse):
+    x, y = make_data(32)
+    model = MisusedManualAccumulation(misuse)
+    before = weights(model)
+    with pytest.raises(RuntimeError, match=MANUAL_MISUSE[misuse]):
+        trainer(max_epochs=1).fit(model, loader(x, y, 4))
+    assert max_deviation(weights(model), before) == 0.0
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_manual_accumulation_accepts_either_way_of_zeroing(set_to_none):
+    class Correct(MisusedManualAccumulation):
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            with self.accumulation.micro_step(self) as micro:
+                self.manual_backward(micro.scale(RegressionModule.training_step(self, batch, batch_idx)))
+            if micro.should_step:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=set_to_none)
+
+    x, y = make_data(32)
+    model = Correct("none")
+    fit_trainer = trainer(max_epochs=2)
+    fit_trainer.fit(model, loader(x, y, 4))
+    assert fit_trainer.global_step == 8

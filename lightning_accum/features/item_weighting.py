@@ -20,7 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature
-from lightning_accum.items import check_normalize_by, make_counter
+from lightning_accum.items import check_count, check_normalize_by, invalid_counts, make_counter
 from lightning_accum.schedule import check_int
 
 
@@ -70,6 +70,10 @@ class ItemWeighting(Feature):
         self._count = make_counter(self.normalize_by, token_key, ignore_index, count_items)
         self._per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
         self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
+        self._backwards = 0  # this rank's micro-steps in the window that ran a backward
+        self._custom = count_items is not None  # the built-in counters cannot return a bad count
+        self._counts: list[tuple[int, torch.Tensor]] = []  # the window's tensor counts from `count_items`
+        self._invalid: torch.Tensor | None = None  # how many of them are negative, NaN or infinite (on the device)
         self._device = torch.device("cpu")
 
     @override
@@ -85,11 +89,20 @@ class ItemWeighting(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         self._window_items = 0
+        self._backwards = 0
+        self._counts = []
+        self._invalid = None
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
         assert self._count is not None, "the callback leaves normalize_by='micro_batch' out"
-        ctx.items = self._count(ctx.batch)
+        items = check_count(self._count(ctx.batch), ctx.batch_idx)
+        if self._custom and isinstance(items, torch.Tensor):
+            # a tensor's value is checked with the window's other counts at its end, without waiting for the device
+            bad = (~torch.isfinite(items) | (items < 0)).to(torch.float32)
+            self._invalid = bad if self._invalid is None else self._invalid + bad
+            self._counts.append((ctx.batch_idx, items))
+        ctx.items = items
 
     @override
     def before_backward(self, ctx: Context) -> None:
@@ -108,6 +121,7 @@ class ItemWeighting(Feature):
         counted = torch.as_tensor(items, dtype=torch.float32, device=loss.device)
         ctx.loss_divisor = self._per_micro_batch / counted.clamp(min=1.0)
         self._window_items = self._window_items + items
+        self._backwards += 1
         self._device = loss.device
 
     @override
@@ -115,11 +129,43 @@ class ItemWeighting(Feature):
         if self._per_micro_batch is None:  # no backward yet in this fit (training_step returned None)
             return
         dtype = torch.float32 if self._device.type == "mps" else torch.float64
-        local = torch.as_tensor(self._window_items, dtype=dtype, device=self._device)
-        total = float(ctx.reduce(local, "sum"))  # the one collective this adds per step
+        local = torch.stack(
+            [
+                torch.as_tensor(self._window_items, dtype=dtype, device=self._device).reshape(()),
+                torch.as_tensor(0.0 if self._invalid is None else self._invalid, device=self._device)
+                .clamp(max=1.0)
+                .to(dtype),
+                torch.tensor(float(self._backwards), dtype=dtype, device=self._device),
+            ]
+        )
+        # the one collective this adds per step: the window's items, and the ranks with a bad count, on all ranks
+        total, ranks_with_bad_counts, backwards = ctx.reduce(local, "sum").tolist()
+        if ranks_with_bad_counts:
+            self._raise_bad_count(ctx, int(ranks_with_bad_counts))
+        if backwards and total <= 0:
+            first = ctx.batch_idx - ctx.window.taken + 1
+            raise ValueError(
+                f"`count_items` counted 0 {self.normalize_by}s in the window of batches {first}-{ctx.batch_idx}"
+                f" (normalize_by={self.normalize_by!r}, on every rank): the window's mean loss is undefined. Check"
+                " `count_items`, `token_key` and `ignore_index`, or drop batches without a loss-bearing item"
+            )
         ctx.window_items = total
         # the gradient holds the rank average of sum(items_i * grad_i) / items_per_micro_batch
         ctx.gradient_scale = ctx.world_size * self._per_micro_batch / total if total > 0 else 0.0
+
+    def _raise_bad_count(self, ctx: Context, ranks: int) -> None:
+        """Every rank raises before the step: the rank with the bad count names it, the others say where it is."""
+        mine = invalid_counts(self._counts)
+        if mine:
+            batch_idx, value = mine[0]
+            raise ValueError(
+                f"`count_items` returned {value} for batch {batch_idx}: a micro-batch's count must be a finite"
+                " number >= 0 (the optimizer step was not taken)"
+            )
+        raise ValueError(
+            f"`count_items` returned a negative, NaN or infinite count on {ranks} other rank(s) in the window ending"
+            f" at batch {ctx.batch_idx}: see that rank's error (the optimizer step was not taken)"
+        )
 
     @override
     def window_closed(self, ctx: Context) -> None:

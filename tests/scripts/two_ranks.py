@@ -3,6 +3,7 @@
     python tests/scripts/two_ranks.py ddp OUT_DIR
     python tests/scripts/two_ranks.py fsdp2 OUT_DIR
     python tests/scripts/two_ranks.py fsdp1 OUT_DIR      # needs 2 CUDA devices (Lightning's FSDPStrategy)
+    python tests/scripts/two_ranks.py ddp disagree OUT_DIR   # only the configurations whose names start so
 
 Lightning launches the second process itself (devices=2). One launch runs several configurations one after another,
 each with a fresh Trainer and model: stock Lightning, the accumulation strategy with gradient_sync "last" and
@@ -109,6 +110,26 @@ class Regression(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+def nan_at_batch_1_on_rank_1(batch: Any) -> torch.Tensor:
+    """A `count_items` that counts samples, and returns NaN for rank 1's micro-batch 1 (ranks disagree)."""
+    first_of_batch_1 = make_data()[0][32 + MICRO_BATCH, 0].item()  # rank 1's data starts at sample 32 (`halves`)
+    bad = int(os.environ.get("LOCAL_RANK", 0)) == 1 and batch[0][0, 0].item() == first_of_batch_1
+    return torch.tensor(float("nan") if bad else float(len(batch[0])))
+
+
+def halves(data: Any, rank: int, sizes: tuple[int, int] = (32, 32), batch_sizes: tuple[int, int] = (4, 4)) -> Any:
+    """Rank r's own data: ``sizes[r]`` samples from its half of ``data``, in order, in batches of ``batch_sizes[r]``."""
+    start = rank * len(data) // 2
+    return torch.utils.data.Subset(data, range(start, start + sizes[rank])), batch_sizes[rank]
+
+
+def tokens_without_loss_on_rank_1(data: Any, rank: int) -> Any:
+    """Token data whose first window (3 micro-batches of 4) bears no loss on rank 1: only rank 0 counts tokens."""
+    tokens = make_tokens(NUM_SAMPLES)
+    tokens["labels"][32:44] = -100
+    return halves(DictDataset(tokens), rank)
+
+
 def counting_allreduce_hook(process_group, bucket):  # noqa: ANN001, ANN201 (DDP checks real annotations)
     ALLREDUCE_BUCKETS.append(bucket.index())
     return default_hooks.allreduce_hook(process_group, bucket)
@@ -165,6 +186,8 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
                 adaptive=options.get("adaptive", False),
                 adaptive_interval=5,
                 adaptive_max_factor=32,
+                micro_batch_size=options.get("micro_batch_size"),
+                count_items=nan_at_batch_1_on_rank_1 if options.get("bad_count") else None,
             )
         )
     sync = options.get("gradient_sync", "last")
@@ -195,19 +218,24 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        use_distributed_sampler="per_rank" not in options,
         **trainer_args,
     )
     model = Regression(
         shard=backend == "fsdp2", manual=manual, cut_at=options.get("cut_at"), misuse=options.get("misuse", False)
     )
     model.lr = options.get("lr", LR)
+    batch_size = MICRO_BATCH
     if options.get("normalize_by") == "token":
         data: Any = DictDataset(make_tokens(NUM_SAMPLES))
     else:
         data = TensorDataset(*make_data(options.get("num_samples", NUM_SAMPLES)))
+    if "per_rank" in options:  # each rank its own data, as the config says (no DistributedSampler)
+        rank = int(os.environ.get("LOCAL_RANK", 0))
+        data, batch_size = options["per_rank"](data, rank)
     record: dict[str, Any] = {}
     try:
-        trainer.fit(model, DataLoader(data, batch_size=MICRO_BATCH))
+        trainer.fit(model, DataLoader(data, batch_size=batch_size))
     except (RuntimeError, ValueError) as error:  # the same check fails on every rank: no rank is left waiting
         record["raised"] = str(error)
     record |= {
@@ -233,8 +261,7 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
             weights = full_weights(model.net)
     else:
         weights = full_weights(model.net)  # a collective under FSDP2: every rank takes part
-    if trainer.global_rank == 0:
-        record["weights"] = weights
+    record["weights"] = weights
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -274,14 +301,44 @@ CONFIGS = {
     "sample_ragged_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "sample", "num_samples": 60},
     # sequences with 0 to 6 loss-bearing tokens: every micro-batch, on each rank, holds a different number
     "token_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "token"},
+    # the ranks disagree on purpose (each its own data, no DistributedSampler): an error on every rank, or the same
+    # training on both
+    "disagree_length": {"mode": "ours", "scheduling": {0: 3}, "per_rank": lambda d, r: halves(d, r, (32, 24))},
+    "disagree_micro_batch": {
+        "mode": "ours",
+        "scheduling": {0: 1, 32: 2},
+        "unit": "sample",
+        "per_rank": lambda d, r: halves(d, r, (32, 16), (4, 2)),
+    },
+    "disagree_micro_batch_given": {
+        "mode": "ours",
+        "scheduling": {0: 1, 32: 2},
+        "unit": "sample",
+        "micro_batch_size": 4,
+        "per_rank": lambda d, r: halves(d, r, (32, 16), (4, 2)),
+    },
+    "disagree_tokens": {
+        "mode": "ours",
+        "scheduling": {0: 3},
+        "normalize_by": "token",
+        "per_rank": tokens_without_loss_on_rank_1,
+    },
+    "disagree_bad_count": {
+        "mode": "ours",
+        "scheduling": {0: 3},
+        "normalize_by": "sample",
+        "bad_count": True,
+        "per_rank": halves,
+    },
 }
 
 
 def main() -> None:
-    backend, out = sys.argv[1], Path(sys.argv[2])
+    backend, out, only = sys.argv[1], Path(sys.argv[-1]), sys.argv[2:-1]
     out.mkdir(parents=True, exist_ok=True)
     for name, options in CONFIGS.items():
-        run(backend, name, out=out, **options)
+        if not only or any(name.startswith(prefix) for prefix in only):
+            run(backend, name, out=out, **options)
     # every record is written: leave without the interpreter's C++ teardown, which torch 2.13 can abort on a loaded
     # machine after gloo runs ("terminate called without an active exception"; see fsdp1_sync.py)
     sys.stdout.flush()
