@@ -9,6 +9,7 @@ window plus each feature's state under the feature's name.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
+from lightning_accum._resume import ResumePoint
 from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
@@ -142,6 +144,8 @@ class AccumulationScheduler(Callback):
         self._ctx = Context()  # the position, the window and what features publish; handed to every event
         self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
         self._loop: LoopControl | None = None  # from setup to teardown
+        self._resume = ResumePoint()  # what a checkpoint written inside a window resumes from
+        self._mid_step = False  # between the callback's on_train_batch_start and on_train_batch_end
 
     @property
     def factor(self) -> int:
@@ -193,6 +197,7 @@ class AccumulationScheduler(Callback):
             ctx.window = Window()
             self._features.reset()
         self._features.dispatch(Event.SETUP, ctx)
+        self._resume, self._mid_step = ResumePoint(), False
         self._loop = LoopControl(trainer, lambda: ctx.window.is_first, lambda: ctx.window.closed)
         # what runs the loop before the windows take charge (a tuner, from on_fit_start) accumulates as stock
         # Lightning would with the first window's factor
@@ -213,6 +218,7 @@ class AccumulationScheduler(Callback):
         ctx.schedule, ctx.factor, ctx.summary = self._schedule, self._scheduled_factor(trainer), []
         self._features.dispatch(Event.FIT_START, ctx)
         self._take_charge(trainer)  # before the loop resets: a restart asks where the last window ended
+        self._resume.between_windows(trainer, self._current_state())
         if self._schedule.max_factor > 1 or self._features.handle(Event.WINDOW_OPENING):
             _warn_if_optimization_hooks_are_overridden(pl_module)
             steps = _count_steps(trainer, self._spec, ctx.micro_batch_size)
@@ -240,7 +246,9 @@ class AccumulationScheduler(Callback):
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         ctx.optimizer_steps = trainer.global_step
+        self._mid_step = True
         if ctx.window.closed:
+            self._resume.window_opened(trainer)
             ctx.factor = self._scheduled_factor(trainer)
             self._features.dispatch(Event.WINDOW_OPENING, ctx)
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
@@ -278,6 +286,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        self._mid_step = False
         if not self._in_charge:
             return
         ctx = self._ctx
@@ -290,6 +299,7 @@ class AccumulationScheduler(Callback):
         if ctx.window.closed:
             ctx.metrics = {}
             self._features.dispatch(Event.WINDOW_CLOSED, ctx)
+            self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
 
     @override
@@ -303,9 +313,28 @@ class AccumulationScheduler(Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        if self._rewinding:  # inside a window: the state from before it, which the checkpoint resumes from
+            assert self._resume.callback_state is not None
+            return copy.deepcopy(self._resume.callback_state)
+        return self._current_state()
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self._rewinding:
+            self._resume.rewind(checkpoint)
+        self._features.on_save_checkpoint(checkpoint)
+
+    def _current_state(self) -> dict[str, Any]:
         ctx = self._ctx
         own = {"samples_seen": ctx.samples_seen, "micro_steps": ctx.micro_steps, "window": ctx.window.state_dict()}
         return {**own, **self._features.state_dict()}
+
+    @property
+    def _rewinding(self) -> bool:
+        """Whether a checkpoint written now falls inside a window (a micro-step in progress, or a window open)."""
+        return self._resume.ready and (self._mid_step or not self._ctx.window.closed)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

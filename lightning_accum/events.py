@@ -244,6 +244,9 @@ class Feature:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (read with defaults, so older checkpoints load)."""
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Amend the whole checkpoint being written (Lightning's dict), e.g. to keep a transient change out of it."""
+
 
 class Features(Mapping[str, Feature]):
     """The enabled features by name, in dispatch order, with the handlers of each event resolved once.
@@ -279,6 +282,11 @@ class Features(Mapping[str, Feature]):
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """Every feature's state under its name."""
         return {name: feature.state_dict() for name, feature in self._features.items()}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Let every feature amend the checkpoint being written."""
+        for feature in self._features.values():
+            feature.on_save_checkpoint(checkpoint)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Give each feature its entry of ``state`` (an empty one if the checkpoint has none)."""

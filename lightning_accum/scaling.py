@@ -153,6 +153,11 @@ class ScaledStep:
         """The optimizer this scale is attached to."""
         return self._optimizer
 
+    @property
+    def applied(self) -> bool:
+        """Whether the scale is in the optimizer now (during the update, or inside ``step`` after the closure)."""
+        return self._unscaled is not None
+
     def configured(self) -> list[float]:
         """The param groups' learning rates without the scale, also while it is applied."""
         if self._unscaled is not None:

@@ -56,6 +56,33 @@ class BatchStream(IterableDataset):
             yield self.x[start : start + self.batch_size], self.y[start : start + self.batch_size]
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning can resume in the middle of an epoch (it has ``state_dict``/``load_state_dict``).
+
+    Its state is the batches yielded in the epoch in progress, as torchdata's StatefulDataLoader keeps it: an epoch
+    that was iterated to its end resumes as a new epoch, and a state loaded but not yet iterated is reported as is.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.yielded = self.skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip = self.skip, 0
+        self.yielded = skip
+        for index, batch in enumerate(super().__iter__()):
+            if index >= skip:
+                self.yielded += 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        consumed = self.skip or self.yielded
+        return {"consumed": 0 if consumed >= len(self) else consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.skip = state["consumed"]
+
+
 def loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 

@@ -158,3 +158,41 @@ def test_on_before_backward_receives_the_fresh_quotient_that_backward_runs_on():
     trainer([Zero()], max_epochs=1, accumulate_grad_batches=2).fit(module, loader(x, y, 4))
     assert seen == [(True, True), (True, True)]  # a non-leaf, non-view result of Lightning's division
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before, strict=True))  # zero gradients
+
+
+def test_a_checkpoint_keeps_the_loop_progress_and_loader_states_where_resume_points_rewind_them(tmp_path):
+    """lightning_accum/_resume.py rewrites these entries of a checkpoint written inside a window; a restart from
+    counters with ``completed`` below ``started`` redoes the batch, with the loaders' saved states reloaded."""
+    from tests.helpers import ResumableLoader
+
+    x, y = make_data(16)
+    seen = {}
+
+    class Save(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                seen["hook"] = trainer.fit_loop.on_save_checkpoint()
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    data = ResumableLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer([Save()], max_epochs=1).fit(RegressionModule(), data)
+    fit_loop = torch.load(tmp_path / "mid.ckpt", weights_only=False)["loops"]["fit_loop"]
+    assert fit_loop["state_dict"]["combined_loader"] == seen["hook"]["combined_loader"] == [{"consumed": 3}]
+    progress = fit_loop["epoch_loop.batch_progress"]
+    assert set(progress) == {"total", "current", "is_last_batch"}
+    assert progress["current"] == {"ready": 3, "started": 2, "processed": 2, "completed": 2}
+
+    # resuming from it with the loader rewound one batch: batch 2 is trained again, from the right data
+    fit_loop["state_dict"]["combined_loader"] = [{"consumed": 2}]
+    checkpoint = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    checkpoint["loops"]["fit_loop"] = fit_loop
+    torch.save(checkpoint, tmp_path / "rewound.ckpt")
+    batches = []
+
+    class Record(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            batches.append((batch_idx, batch[0][0, 0].item()))
+
+    data = ResumableLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer([Record()], max_epochs=1).fit(RegressionModule(), data, ckpt_path=tmp_path / "rewound.ckpt")
+    assert batches == [(2, x[8, 0].item()), (3, x[12, 0].item())]

@@ -1,10 +1,19 @@
 """Resuming from a checkpoint written at an optimizer step reproduces the uninterrupted run."""
 
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from tests.helpers import RegressionModule, loader, make_data, max_deviation, reference_weights, trainer, weights
+from tests.helpers import (
+    RegressionModule,
+    ResumableLoader,
+    loader,
+    make_data,
+    max_deviation,
+    reference_weights,
+    trainer,
+    weights,
+)
 
 # 2 samples a micro-step, 9 micro-batches an epoch; the factor goes 1 -> 3 once 7 samples are seen and -> 2 at 30
 SCHEDULE = {0: 1, 7: 3, 30: 2}
@@ -33,28 +42,6 @@ def test_resume_at_an_epoch_end_matches_the_uninterrupted_run(tmp_path):
     assert callback.samples_seen == 3 * 18
     assert second.global_step == sum(len(epoch) for epoch in WINDOWS)
     assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
-
-
-class ResumableLoader(DataLoader):
-    """A DataLoader that Lightning can resume in the middle of an epoch (it has state_dict/load_state_dict)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.yielded = self.skip = 0
-
-    def __iter__(self):
-        skip, self.skip = self.skip, 0
-        self.yielded = skip
-        for index, batch in enumerate(super().__iter__()):
-            if index >= skip:
-                self.yielded += 1
-                yield batch
-
-    def state_dict(self) -> dict:
-        return {"consumed": self.yielded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.skip = state["consumed"]
 
 
 def test_resume_in_the_middle_of_an_epoch_at_a_step_boundary(tmp_path):

@@ -126,6 +126,16 @@ class LRScaling(Feature):
             ctx.metrics.update({f"accum/lr_group_{i}": lr for i, lr in enumerate(self._used)})
 
     @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # written from inside `optimizer.step` (after the closure, before the update): store the configured LR
+        states = checkpoint.get("optimizer_states") or []
+        for scaled, state in zip(self._scaled_steps, states, strict=False):
+            groups = state.get("param_groups") if isinstance(state, dict) else None
+            if scaled.applied and isinstance(groups, list) and len(groups) == len(scaled.configured()):
+                for group, lr in zip(groups, scaled.configured(), strict=True):
+                    group["lr"] = lr
+
+    @override
     def fit_end(self, ctx: Context) -> None:
         self._used = []
         for scaled in self._scaled_steps:

@@ -1,0 +1,78 @@
+"""The resume point: a checkpoint written in the middle of a window holds the state from before the window.
+
+A window's gradients live only in ``.grad`` until its optimizer step, so a checkpoint written inside the window (a
+time-based ``ModelCheckpoint``, ``OnExceptionCheckpoint``, a SLURM requeue, ``trainer.save_checkpoint`` in a hook)
+cannot resume it where it stopped. It can resume it from its start: the weights, the optimizer and the LR schedulers
+do not change inside a window, so only the loop's batch counters, the train dataloaders' states (when they have
+``state_dict``) and the callback's own state must be those of the moment the window opened. This module keeps them
+and writes them into such a checkpoint; the resumed run then trains the whole window again from the same weights
+and the same batches, and ends where the uninterrupted run ends.
+
+Lightning glue: it reads ``trainer.fit_loop`` (public attributes) and writes the ``"loops"`` entry of Lightning's
+checkpoint dict, whose layout ``tests/test_lightning_contract.py`` pins.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+
+_BATCH_PROGRESS = "epoch_loop.batch_progress"
+
+
+class ResumePoint:
+    """The state a checkpoint needs to resume at the first micro-step of the window in progress.
+
+    Call :meth:`between_windows` when no window is in progress (at the fit's start and after each window's last
+    micro-step), :meth:`window_opened` at each window's first micro-step, and :meth:`rewind` on a checkpoint written
+    before the window in progress ended.
+
+    Example::
+
+        point = ResumePoint()
+        point.between_windows(trainer, callback.state_dict())   # after a step: what comes next is a new window
+        point.window_opened(trainer)                             # the window's first micro-step begins
+        point.rewind(checkpoint)                                 # a checkpoint written inside the window
+    """
+
+    def __init__(self) -> None:
+        self.callback_state: dict[str, Any] | None = None
+        self._loaders: list[dict[str, Any]] | None = None
+        self._batches: tuple[int, int, bool] | None = None  # batches completed before the window (in all, in the
+        # epoch), and whether its first batch is the epoch's last
+
+    def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
+        """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
+        self.callback_state = copy.deepcopy(callback_state)
+        # the same call Lightning makes to checkpoint the dataloaders: `state_dict()` of those that have one
+        self._loaders = copy.deepcopy(trainer.fit_loop.on_save_checkpoint().get("combined_loader"))
+
+    def window_opened(self, trainer: pl.Trainer) -> None:
+        """Keep where the window starts: the batches completed before it."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        self._batches = (progress.total.completed, progress.current.completed, progress.is_last_batch)
+
+    @property
+    def ready(self) -> bool:
+        """Whether a window's start is known (not before the fit's first micro-step)."""
+        return self.callback_state is not None and self._batches is not None
+
+    def rewind(self, checkpoint: dict[str, Any]) -> None:
+        """Make ``checkpoint``'s loop and dataloaders resume at the window's first batch."""
+        assert self._batches is not None, "rewind only once a window has opened"
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+        if not isinstance(fit_loop, dict) or _BATCH_PROGRESS not in fit_loop:
+            return  # not Lightning's layout (a contract test guards it): leave the checkpoint as written
+        total, current, is_last_batch = self._batches
+        progress = fit_loop[_BATCH_PROGRESS]
+        # as Lightning writes it from inside the window's first batch: started, not yet processed
+        for counts, done in ((progress["total"], total), (progress["current"], current)):
+            counts.update(ready=done + 1, started=done + 1, processed=done, completed=done)
+        progress["is_last_batch"] = is_last_batch
+        loop_state = fit_loop.setdefault("state_dict", {})
+        if self._loaders is not None:
+            loop_state["combined_loader"] = copy.deepcopy(self._loaders)
+        else:
+            loop_state.pop("combined_loader", None)

@@ -1,0 +1,158 @@
+"""Faults inside a step: an exception and a checkpoint at each hook leave the configured LR, and resume exactly.
+
+Each case trains with an LR scale of 3 (linear rule, factor 3, base batch 4), writes a checkpoint with
+``trainer.save_checkpoint`` at one hook of one micro-step of the window of batches 6-8, and raises there. The
+optimizer must hold the configured LR afterwards and in the checkpoint, and a run resumed from that checkpoint must
+end at the uninterrupted run's weights: the checkpoint resumes the window from its first batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import TensorDataset
+
+from lightning_accum import AccumulationScheduler
+from tests.helpers import LR, RegressionModule, ResumableLoader, make_data, max_deviation, trainer, weights
+
+# 10 batches of 4 an epoch; windows 2 2 2 | 3 (batches 6-8, scale 3) | 1, then 3 3 3 1
+WINDOW = (6, 7, 8)
+CHECKPOINT = "fault.ckpt"
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class Fault:
+    """Writes a checkpoint and raises at ``hook`` in epoch 0's batch ``batch_idx``."""
+
+    def __init__(self, hook: str, batch_idx: int, path: Any) -> None:
+        self.hook, self.batch_idx, self.path = hook, batch_idx, path
+        self.lr_at_fault: float | None = None
+
+    def __call__(self, trainer: Any, hook: str) -> None:
+        if hook != self.hook or trainer.current_epoch != 0 or trainer.fit_loop.epoch_loop.batch_idx != self.batch_idx:
+            return
+        self.lr_at_fault = trainer.optimizers[0].param_groups[0]["lr"]
+        trainer.save_checkpoint(self.path)
+        raise Injected(f"injected at {hook}")
+
+
+class FaultCallback(Callback):
+    def __init__(self, fault: Fault) -> None:
+        self.fault = fault
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.fault(trainer, "on_before_backward")
+
+    def on_after_backward(self, trainer, pl_module):
+        self.fault(trainer, "on_after_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.fault(trainer, "on_before_optimizer_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.fault(trainer, "on_train_batch_end")
+
+
+class FaultySGD(torch.optim.SGD):
+    """SGD that calls the fault inside ``step``: after the closure (the window's last backward), before the update."""
+
+    fault: Fault | None = None
+    trainer: Any = None
+
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        if self.fault is not None:
+            self.fault(self.trainer, "optimizer step")
+        super().step()
+        return loss
+
+
+class Module(RegressionModule):
+    def __init__(self, fault: Fault | None = None, seed: int = 1) -> None:
+        super().__init__(seed=seed)
+        self.fault = fault
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.fault is not None:
+            self.fault(self.trainer, "configure_gradient_clipping")
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self):
+        optimizer = FaultySGD(self.parameters(), lr=self.lr)
+        optimizer.fault, optimizer.trainer = self.fault, self.trainer
+        return optimizer
+
+
+def _callback() -> AccumulationScheduler:
+    return AccumulationScheduler({0: 2, 3: 3}, unit="step", lr_scaling="linear", base_batch_size=4)
+
+
+def _loader() -> ResumableLoader:
+    x, y = make_data(40)
+    return ResumableLoader(TensorDataset(x, y), batch_size=4)
+
+
+CASES = [
+    ("on_before_backward", WINDOW[0]),  # the window's first micro-step
+    ("on_after_backward", WINDOW[1]),  # a middle one
+    ("on_train_batch_end", WINDOW[1]),  # between micro-steps (a time-based ModelCheckpoint saves here)
+    ("on_before_backward", WINDOW[2]),  # the last one: Lightning runs it inside optimizer.step
+    ("on_after_backward", WINDOW[2]),
+    ("on_before_optimizer_step", WINDOW[2]),
+    ("configure_gradient_clipping", WINDOW[2]),
+    ("optimizer step", WINDOW[2]),  # after the closure, with the scale applied for the update
+]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    model = Module()
+    fit_trainer = trainer([_callback()], max_epochs=2)
+    fit_trainer.fit(model, _loader())
+    return weights(model), fit_trainer.global_step
+
+
+@pytest.mark.parametrize(("hook", "batch_idx"), CASES)
+def test_a_fault_in_a_step_leaves_the_configured_lr_and_its_checkpoint_resumes_exactly(
+    tmp_path, uninterrupted, hook, batch_idx
+):
+    fault = Fault(hook, batch_idx, tmp_path / CHECKPOINT)
+    callbacks = [_callback(), FaultCallback(fault)]
+    failing = trainer(callbacks, max_epochs=2, gradient_clip_val=100.0)  # clipping that never clips
+    with pytest.raises(Injected):
+        failing.fit(Module(fault), _loader())
+    assert failing.global_step == 3  # the fault came before the window's step
+    if hook != "optimizer step":  # inside the step, the update itself holds the scaled LR
+        assert fault.lr_at_fault == LR
+    assert failing.optimizers[0].param_groups[0]["lr"] == LR
+    checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == LR
+
+    resumed = Module(seed=99)  # the checkpoint, not the seed, decides the weights
+    resumed_trainer = trainer([_callback()], max_epochs=2, gradient_clip_val=100.0)
+    resumed_trainer.fit(resumed, _loader(), ckpt_path=tmp_path / CHECKPOINT)
+    reference, steps = uninterrupted
+    assert resumed_trainer.global_step == steps
+    assert max_deviation(weights(resumed), reference) <= 1e-6
+
+
+def test_a_checkpoint_between_windows_is_written_as_lightning_writes_it(tmp_path):
+    """After a window's step nothing is rewound: the checkpoint resumes at the next batch."""
+    saved = {}
+
+    class SaveAfterStep(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == WINDOW[2]:
+                trainer.save_checkpoint(tmp_path / CHECKPOINT)
+                saved["progress"] = trainer.fit_loop.epoch_loop.batch_progress.state_dict()
+
+    trainer([_callback(), SaveAfterStep()], max_epochs=1).fit(Module(), _loader())
+    checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"] == saved["progress"]
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed": WINDOW[2] + 1}]
