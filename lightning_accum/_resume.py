@@ -38,6 +38,8 @@ class ResumePoint:
     """
 
     def __init__(self) -> None:
+        self.in_step = False  # between the callback's on_train_batch_start and on_train_batch_end
+        self.restored = False  # whether this fit loaded the callback's state from a checkpoint
         self.callback_state: dict[str, Any] | None = None
         self._loaders: list[dict[str, Any]] | None = None
         self._batches: tuple[int, int, bool] | None = None  # batches completed before the window (in all, in the

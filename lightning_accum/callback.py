@@ -145,7 +145,6 @@ class AccumulationScheduler(Callback):
         self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
         self._loop: LoopControl | None = None  # from setup to teardown
         self._resume = ResumePoint()  # what a checkpoint written inside a window resumes from
-        self._mid_step = False  # between the callback's on_train_batch_start and on_train_batch_end
 
     @property
     def factor(self) -> int:
@@ -197,7 +196,7 @@ class AccumulationScheduler(Callback):
             ctx.window = Window()
             self._features.reset()
         self._features.dispatch(Event.SETUP, ctx)
-        self._resume, self._mid_step = ResumePoint(), False
+        self._resume = ResumePoint()
         self._loop = LoopControl(trainer, lambda: ctx.window.is_first, lambda: ctx.window.closed)
         # what runs the loop before the windows take charge (a tuner, from on_fit_start) accumulates as stock
         # Lightning would with the first window's factor
@@ -214,6 +213,15 @@ class AccumulationScheduler(Callback):
             trainer, _infer_micro_batch_size(trainer, self._spec.micro_batch_size), self._spec.micro_batch_size
         )
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
+        if self._schedule.max_factor > trainer.num_training_batches:
+            rank_zero_warn(
+                f"AccumulationScheduler: the schedule reaches factor {self._schedule.max_factor}, more than an"
+                f" epoch's {trainer.num_training_batches} batches, and a window never spans epochs: such windows hold"
+                f" {trainer.num_training_batches} micro-batches, and LR scaling and the logs use that. Use a smaller"
+                " factor, or more batches per epoch"
+            )
+        if trainer.ckpt_path is not None and not self._resume.restored and trainer.global_step > 0:
+            self._count_from_the_loop(trainer)
         ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
         ctx.schedule, ctx.factor, ctx.summary = self._schedule, self._scheduled_factor(trainer), []
         self._features.dispatch(Event.FIT_START, ctx)
@@ -246,11 +254,13 @@ class AccumulationScheduler(Callback):
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         ctx.optimizer_steps = trainer.global_step
-        self._mid_step = True
+        self._resume.in_step = True
         if ctx.window.closed:
             self._resume.window_opened(trainer)
             ctx.factor = self._scheduled_factor(trainer)
             self._features.dispatch(Event.WINDOW_OPENING, ctx)
+            # what a window can hold, for the LR and the logs
+            ctx.factor = int(min(ctx.factor, trainer.num_training_batches))
             # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
             ctx.window.open(int(min(ctx.factor, trainer.num_training_batches - batch_idx)))
             loop.set_factor(ctx.window.size)  # the divisor Lightning applies to each loss
@@ -286,7 +296,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
-        self._mid_step = False
+        self._resume.in_step = False
         if not self._in_charge:
             return
         ctx = self._ctx
@@ -334,11 +344,12 @@ class AccumulationScheduler(Callback):
     @property
     def _rewinding(self) -> bool:
         """Whether a checkpoint written now falls inside a window (a micro-step in progress, or a window open)."""
-        return self._resume.ready and (self._mid_step or not self._ctx.window.closed)
+        return self._resume.ready and (self._resume.in_step or not self._ctx.window.closed)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state, ctx = _upgrade_state(state_dict), self._ctx
+        self._resume.restored = True
         ctx.samples_seen = int(state.get("samples_seen", 0))
         ctx.micro_steps = int(state.get("micro_steps", 0))
         self._features.load_state_dict(state)
@@ -346,10 +357,22 @@ class AccumulationScheduler(Callback):
         if not ctx.window.closed:
             rank_zero_warn(
                 f"AccumulationScheduler: the checkpoint was written after micro-step {ctx.window.taken} of a window"
-                f" of {ctx.window.size}; that window's gradients are not in the checkpoint, so training resumes"
-                " with a new window. Save checkpoints at optimizer steps to resume exactly."
+                f" of {ctx.window.size} by an earlier lightning_accum, which kept no window start; that"
+                " window's gradients are not in the checkpoint, so training resumes with a new window."
             )
             ctx.window.discard()
+
+    def _count_from_the_loop(self, trainer: pl.Trainer) -> None:
+        """A resume from a checkpoint without this callback's state: count what was done from the loop's batches."""
+        ctx = self._ctx
+        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        ctx.micro_steps, ctx.samples_seen = done, done * ctx.samples_per_micro_step
+        rank_zero_warn(
+            f"AccumulationScheduler: the checkpoint {str(trainer.ckpt_path)!r} holds no AccumulationScheduler state"
+            f" (it was written without this callback); counting the {done} micro-batches the loop has done"
+            f" ({ctx.samples_seen} samples) for the schedule, while the LR-scaling base and warmup, the noise-scale"
+            " estimate and adaptive growth start afresh"
+        )
 
     @property
     def _in_charge(self) -> bool:

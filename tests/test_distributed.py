@@ -308,3 +308,12 @@ def test_a_rank_without_tokens_in_a_window_trains_as_one_big_batch(backend, requ
 
 def _untouched() -> dict[str, list[float]]:
     return {name: param.detach().flatten().tolist() for name, param in make_net().named_parameters()}
+
+
+def test_ddp_spawn_pickles_the_callback_with_every_option_and_manual_accumulation(tmp_path):
+    """start_method="spawn" pickles the Trainer with its callbacks and strategy, and the module."""
+    _launch("spawn.py", out=tmp_path, limit=300)
+    for name, steps in (("every_option", 8), ("manual", 5)):
+        rank0, rank1 = (json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1))
+        assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == steps
+        assert rank0["weights"] == rank1["weights"]

@@ -140,6 +140,58 @@ def test_item_weighting_is_picklable_for_ddp_spawn():
         assert pickle.loads(pickle.dumps(feature)).normalize_by == feature.normalize_by
 
 
+def count_rows(batch):
+    return len(batch[0])
+
+
+def test_everything_the_user_hands_lightning_pickles_before_and_after_a_fit():
+    """ddp_spawn pickles the Trainer (callbacks, strategy) and the module; a second fit may come after the first."""
+    from lightning_accum import (
+        AccumulationScheduler,
+        DDPAccumulationStrategy,
+        FSDPAccumulationStrategy,
+        ManualAccumulation,
+        ModelParallelAccumulationStrategy,
+    )
+    from tests.helpers import RegressionModule, loader, make_data, trainer
+
+    callback = AccumulationScheduler(
+        target_batch_size=16,
+        ramp_start_batch_size=4,
+        ramp_increment=4,
+        ramp_samples=16,
+        normalize_by="sample",
+        count_items=count_rows,
+        lr_scaling="sqrt",
+        lr_warmup_steps=2,
+        noise_scale=True,
+        adaptive=True,
+    )
+    assert pickle.loads(pickle.dumps(callback)).state_dict() == callback.state_dict()
+    x, y = make_data(32)
+    trainer([callback], max_epochs=1).fit(RegressionModule(), loader(x, y, 4))
+    assert pickle.loads(pickle.dumps(callback)).state_dict() == callback.state_dict()
+
+    class Manual(RegressionModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.accumulation = ManualAccumulation(2)
+
+        def training_step(self, batch, batch_idx):
+            with self.accumulation.micro_step(self) as micro:
+                self.manual_backward(micro.scale(super().training_step(batch, batch_idx)))
+            if micro.should_step:
+                self.optimizers().step()
+                self.optimizers().zero_grad()
+
+    module = Manual()
+    trainer(max_epochs=1).fit(module, loader(x, y, 4))  # registers its step checks on the optimizer
+    assert pickle.loads(pickle.dumps(module.accumulation)).factor == module.accumulation.factor
+    for strategy in (DDPAccumulationStrategy(), FSDPAccumulationStrategy(), ModelParallelAccumulationStrategy()):
+        assert type(pickle.loads(pickle.dumps(strategy))) is type(strategy)
+
+
 # ------------------------------------------------------------------ noise scale
 
 

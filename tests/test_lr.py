@@ -157,3 +157,12 @@ def test_an_exception_in_a_step_leaves_the_configured_lr_in_the_optimizer_and_th
     assert fit_trainer.optimizers[0].param_groups[0]["lr"] == 0.1
     checkpoint = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
     assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == 0.1
+
+
+def test_a_factor_larger_than_the_epoch_warns_and_scales_the_lr_for_the_window_it_can_hold():
+    spy = MeasuredLR()
+    x, y = make_data(12)  # 3 batches of 4 an epoch
+    callback = AccumulationScheduler({0: 8}, lr_scaling="linear", base_batch_size=4)
+    with pytest.warns(UserWarning, match=r"the schedule reaches factor 8, more than an epoch's 3 batches"):
+        trainer([callback, spy], max_epochs=2, precision="64-true").fit(RegressionModule(), loader(x, y, 4))
+    assert used(spy) == pytest.approx([0.3, 0.3], rel=1e-9)  # the window of 3 x 4 samples, not 8 x 4

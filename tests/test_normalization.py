@@ -195,3 +195,26 @@ def test_a_first_window_without_backward_is_skipped_quietly():
     fit.fit(model, loader(x, y, 4))
     # the first window had no backward and no gradient; the second steps on the mean over its 12 samples
     assert max_deviation(weights(model), sample_reference(x[12:], y[12:], 4, [[3]])) <= TOLERANCE
+
+
+@pytest.mark.parametrize("normalize_by", ["micro_batch", "sample"])
+def test_a_skipped_micro_step_under_each_normalization(normalize_by):
+    """`training_step` returning None for batch 1 of a window of 3 (batches 0-2), as docs/normalization.md says.
+
+    micro_batch: the skipped micro-batch counts as a zero gradient, so the step is on (loss_0 + loss_2) / 3, as in
+    stock Lightning. sample: its samples are not counted, so the step is on the mean over the samples trained.
+    """
+
+    class SkipsBatch1(RegressionModule):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+            return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+    x, y = make_data(12)
+    model = SkipsBatch1()
+    trainer([AccumulationScheduler({0: 3}, normalize_by=normalize_by)], max_epochs=1).fit(model, loader(x, y, 4))
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    first, last = (nn.functional.mse_loss(net(x[i : i + 4]), y[i : i + 4]) for i in (0, 8))
+    ((first + last) / 3 if normalize_by == "micro_batch" else (first + last) / 2).backward()
+    optimizer.step()
+    assert max_deviation(weights(model), [p.detach() for p in net.parameters()]) <= TOLERANCE

@@ -101,3 +101,16 @@ def test_the_lr_scale_continues_after_a_resume(tmp_path):
     )  # micro-batch 2 x factor 2
     assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
     assert torch.isfinite(torch.cat([p.flatten() for p in weights(resumed)])).all()
+
+
+def test_a_checkpoint_without_the_callbacks_state_counts_from_the_loop_and_says_so(tmp_path):
+    """Written by a run without the callback: the sample count comes from the loop's batches, with a warning."""
+    import pytest
+
+    x, y = make_data(18)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    trainer([checkpoint], max_epochs=1, enable_checkpointing=True).fit(RegressionModule(), loader(x, y, 2))
+    callback = _callback()
+    with pytest.warns(UserWarning, match=r"holds no AccumulationScheduler state.*counting the 9 micro-batches"):
+        trainer([callback], max_epochs=2).fit(RegressionModule(), loader(x, y, 2), ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert callback.samples_seen == 36  # 18 counted from the loop, 18 trained
