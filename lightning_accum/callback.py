@@ -365,7 +365,7 @@ class AccumulationScheduler(Callback):
     def _count_from_the_loop(self, trainer: pl.Trainer) -> None:
         """A resume from a checkpoint without this callback's state: count what was done from the loop's batches."""
         ctx = self._ctx
-        done = trainer.fit_loop.epoch_loop.batch_progress.total.processed
+        done = int(getattr(trainer.fit_loop.epoch_loop.batch_progress.total, "processed", 0))  # a _ProcessedTracker
         ctx.micro_steps, ctx.samples_seen = done, done * ctx.samples_per_micro_step
         rank_zero_warn(
             f"AccumulationScheduler: the checkpoint {str(trainer.ckpt_path)!r} holds no AccumulationScheduler state"
