@@ -27,7 +27,16 @@ from lightning_accum._loop import LoopControl
 from lightning_accum._resume import ResumePoint
 from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
-from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
+from lightning_accum.features import (
+    AdaptiveGrowth,
+    ItemWeighting,
+    LRScaling,
+    Metrics,
+    NoiseScale,
+    ProgressBar,
+    WideAccumulation,
+)
+from lightning_accum.precision import check_grad_accum_dtype
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, count_optimizer_steps
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.window import Window
@@ -73,6 +82,11 @@ class AccumulationScheduler(Callback):
         adaptive_max_factor: The largest factor adaptive growth may reach.
         adaptive_interval: Optimizer steps between two adaptive checks.
         adaptive_patience: Consecutive checks that must call for growth before the factor doubles.
+        grad_accum_dtype: The dtype micro-batch gradients are summed in where the parameters are narrower
+            (``bf16-true``, ``16-true``, FSDP2 with a bfloat16 ``param_dtype``): ``"float32"``, ``"float64"`` or a
+            ``torch.dtype``; ``"auto"`` (the default) is ``"float32"`` where the strategy supports it and the
+            parameters' dtype elsewhere, with a warning; ``None`` always the parameters' dtype. Costs 4 bytes per
+            narrower trainable parameter (:class:`~lightning_accum.features.WideAccumulation`).
         log_metrics: Log the ``accum/...`` metrics once per optimizer step through every logger, with a TensorBoard
             dashboard, and show the factor in the progress bar (:class:`~lightning_accum.features.Metrics`).
 
@@ -118,6 +132,7 @@ class AccumulationScheduler(Callback):
         adaptive_interval: PositiveInt = 50,
         adaptive_patience: PositiveInt = 2,
         log_metrics: bool = True,
+        grad_accum_dtype: str | None = "auto",
     ) -> None:
         super().__init__()
         growth = AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_interval, adaptive_patience)
@@ -133,6 +148,7 @@ class AccumulationScheduler(Callback):
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
             (NoiseScale(noise_scale_decay), check_bool("noise_scale", noise_scale)),
             (growth, adaptive),
+            (WideAccumulation(*_accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps), True),
             (ProgressBar(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
@@ -426,6 +442,13 @@ def _infer_micro_batch_size(trainer: pl.Trainer, given: int | None) -> int | Non
         return None
     size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def _accumulation_dtype(value: object) -> tuple[torch.dtype, bool]:
+    """``(dtype, strict)`` for ``grad_accum_dtype``: ``"auto"`` is float32, not strict (``None`` is left out)."""
+    if value == "auto":
+        return torch.float32, False
+    return check_grad_accum_dtype(value) or torch.float32, True
 
 
 def _agree_across_ranks(trainer: pl.Trainer, micro_batch_size: int | None, given: int | None) -> int | None:

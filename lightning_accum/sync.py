@@ -26,7 +26,7 @@ Both read torch-private FSDP2 state (torch 2.4 to 2.13; ``tests/test_torch_contr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal, cast
 
@@ -157,3 +157,35 @@ def drop_fsdp2_pending_gradients(module: nn.Module | None) -> None:
             unsharded = getattr(param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
+
+
+def fsdp2_widen_reduce_dtype(module: nn.Module | None, dtype: Any) -> Callable[[], None]:
+    """Make every FSDP2 unit whose gradients are narrower than ``dtype`` accumulate and reduce them in ``dtype``.
+
+    FSDP2 keeps the unreduced unsharded gradients of skipped reductions in its ``reduce_dtype`` when one is set
+    (``MixedPrecisionPolicy(reduce_dtype=...)``), else in the gradients' own dtype, and reduce-scatters in that
+    dtype; the reduced shard is cast to the sharded parameter's dtype once (measured in torch 2.13, see
+    docs/strategies.md). This sets the reduce dtype of each narrower unit to ``dtype``, exactly what that policy would
+    set. Returns a function that puts the previous reduce dtypes back.
+    """
+    from lightning_accum.precision import narrower
+
+    changed: list[tuple[Any, Any, Any]] = []  # (object, attribute, previous value)
+    for group in _fsdp2_param_groups(module):
+        params = [p for p in getattr(group, "fsdp_params", []) if p.sharded_param.requires_grad]
+        if not params:
+            continue
+        grad_dtype = params[0].reduce_dtype or params[0].param_dtype or params[0].orig_dtype
+        if not narrower(grad_dtype, dtype):
+            continue
+        for param in params:
+            changed.append((param, "reduce_dtype", param.reduce_dtype))
+            param.reduce_dtype = dtype
+        changed.append((group, "_reduce_dtype", group._reduce_dtype))
+        group._reduce_dtype = dtype
+
+    def restore() -> None:
+        for owner, attribute, value in reversed(changed):
+            setattr(owner, attribute, value)
+
+    return restore

@@ -11,15 +11,24 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.events import Event
-from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale, ProgressBar
+from lightning_accum.features import (
+    AdaptiveGrowth,
+    ItemWeighting,
+    LRScaling,
+    Metrics,
+    NoiseScale,
+    ProgressBar,
+    WideAccumulation,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accum"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-PURE = ["schedule", "window", "scaling", "items", "noise", "adaptive", "events", "monitor", "sync", "plan"]
+PURE = ["schedule", "window", "scaling", "items", "noise", "adaptive", "events", "monitor", "sync", "plan", "precision"]
 
 
 def module_name(path: Path) -> str:
@@ -44,7 +53,7 @@ MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 def test_no_feature_module_imports_another():
     features = {name for name in MODULES if name.startswith("lightning_accum.features.")}
-    assert len(features) == 6
+    assert len(features) == 7
     for name in features:
         assert not (imports(MODULES[name]) & (features - {name})), name
 
@@ -89,11 +98,12 @@ def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_na
         "item_weighting",
         "noise_scale",
         "adaptive",
+        "wide_accumulation",
         "lr_scaling",
         "progress_bar",
         "metrics",
     }
-    assert list(AccumulationScheduler(log_metrics=False).features) == ["lr_scaling", "progress_bar"]
+    assert list(AccumulationScheduler(log_metrics=False).features) == ["wide_accumulation", "lr_scaling", "progress_bar"]
 
 
 def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
@@ -115,7 +125,15 @@ def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
 
 
 def test_the_documented_event_table_is_what_each_feature_handles():
-    features = [ItemWeighting(), NoiseScale(), AdaptiveGrowth(), LRScaling(), ProgressBar(), Metrics()]
+    features = [
+        ItemWeighting(),
+        NoiseScale(),
+        AdaptiveGrowth(),
+        WideAccumulation(torch.float32),
+        LRScaling(),
+        ProgressBar(),
+        Metrics(),
+    ]
     text = DOCS.read_text()
     header = "| event | " + " | ".join(f"`{type(feature).__name__}`" for feature in features) + " |"
     assert header in text
@@ -129,10 +147,10 @@ def test_the_documented_event_table_is_what_each_feature_handles():
 def test_every_test_the_compatibility_page_names_exists():
     text = (DOCS.parent / "compatibility.md").read_text()
     names = set(re.findall(r"`(test_[a-z0-9_]+)`", text))
-    defined = set(
-        re.findall(
-            r"^def (test_[a-z0-9_]+)\(", (DOCS.parents[1] / "tests" / "test_lightning_compat.py").read_text(), re.M
-        )
-    )
+    defined = {
+        name
+        for path in (DOCS.parents[1] / "tests").glob("test_*.py")
+        for name in re.findall(r"^def (test_[a-z0-9_]+)\(", path.read_text(), re.M)
+    }
     assert names
     assert names <= defined, names - defined

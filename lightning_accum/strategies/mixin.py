@@ -144,6 +144,27 @@ class AccumulationStrategyMixin:
             finally:
                 self._sync_blocked = False
 
+    def reduce_gradients_elsewhere(self, elsewhere: bool) -> None:
+        """Let the accumulation callback reduce the window's gradients itself (in a wider dtype), or give it back.
+
+        While ``elsewhere`` is true, DDP does not all-reduce gradients in any backward, the window's last included
+        (``require_backward_grad_sync`` is off, as inside ``no_sync()``); the callback all-reduces its float32 sums
+        once per window. Only DDP is supported: FSDP2 accumulates in its own reduce dtype, FSDP1 is refused.
+
+        Raises:
+            ValueError: If the model is not wrapped in DDP.
+        """
+        from torch.nn.parallel import DistributedDataParallel
+
+        strategy: Any = self
+        model = strategy.model
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                f"{type(self).__name__} can hand its gradient reduction to the callback only under DDP, not"
+                f" {type(model).__name__}"
+            )
+        model.require_backward_grad_sync = not elsewhere
+
     def drop_unreduced_gradients(self) -> None:
         """Forget gradients kept for a reduction that will not happen, when a window is abandoned before its end.
 

@@ -1,0 +1,156 @@
+"""Wide accumulation (``grad_accum_dtype``): a window of bfloat16 gradients summed in float32, rounded once.
+
+Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-true``, FSDP2 with a bfloat16
+``param_dtype``), this feature makes the window's gradient the correctly rounded mean of its micro-batch gradients:
+
+- one device: each micro-batch's gradient is added into a float32 buffer after its backward
+  (:class:`~lightning_accum.precision.WideAccumulator`), and the window's mean is written back once before the step;
+- DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same, with DDP's own reduction off for the whole
+  window and the float32 sums all-reduced once per window (float32 communication: twice the bytes of bfloat16);
+- FSDP2 (``fully_shard``): the units' reduce dtype is widened, so FSDP2 itself keeps the unreduced gradients of
+  ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once.
+
+Consumes ``ctx.gradient_scale`` at ``WINDOW_CLOSING`` (it is applied in float32, before the one rounding) where the
+buffers are its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from lightning_accum.events import Context, Feature
+from lightning_accum.precision import WideAccumulator, narrower
+from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+from lightning_accum.sync import fsdp2_modules, fsdp2_widen_reduce_dtype, has_no_sync
+
+
+class WideAccumulation(Feature):
+    """Accumulate the window's gradients in ``dtype`` where the parameters are narrower.
+
+    Args:
+        dtype: The accumulation dtype (``torch.float32``), from
+            :func:`~lightning_accum.precision.check_grad_accum_dtype`.
+        strict: Raise where the strategy cannot accumulate in ``dtype`` (the user asked for it); else warn and
+            accumulate in the parameters' dtype there (``grad_accum_dtype="auto"``).
+
+    Example::
+
+        >>> from lightning_accum.events import Event, Features
+        >>> from lightning_accum.window import Window
+        >>> net = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
+        >>> features = Features([WideAccumulation(torch.float32)])
+        >>> ctx = Context(module=net, window=Window(size=3, taken=0, closed=False))
+        >>> features.dispatch(Event.FIT_START, ctx); features.dispatch(Event.WINDOW_OPENED, ctx)
+        >>> for value in (1.0, 2.0**-8, 2.0**-8):
+        ...     net.weight.grad = torch.full((1, 2), value, dtype=torch.bfloat16)
+        ...     features.dispatch(Event.AFTER_BACKWARD, ctx)
+        >>> features.dispatch(Event.WINDOW_CLOSING, ctx); net.weight.grad.float().tolist()
+        [[1.0078125, 1.0078125]]
+    """
+
+    name = "wide_accumulation"
+
+    def __init__(self, dtype: torch.dtype, strict: bool = True) -> None:
+        self.dtype = dtype
+        self.strict = strict
+        self._accumulator: WideAccumulator | None = None
+        self._all_reduce: Any = None  # in-place float32 sum over the data-parallel ranks, under DDP
+        self._strategy: Any = None  # the strategy whose reduction this feature took over
+        self._restore: Any = None  # gives FSDP2 its reduce dtypes back
+        self._active = False  # whether the window in progress accumulates here
+
+    @override
+    def fit_start(self, ctx: Context) -> None:
+        self._release()
+        strategy = getattr(ctx.trainer, "strategy", None)
+        model = getattr(strategy, "model", None)
+        narrow = [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
+        name = str(self.dtype).removeprefix("torch.")
+        try:
+            if fsdp2_modules(model):
+                self._fsdp2(strategy, model, narrow)
+                ctx.summary.append(f"FSDP2 reduces and accumulates gradients in {name}")
+                return
+            if not narrow:
+                return
+            if has_no_sync(model):
+                self._take_over_ddp(strategy, model)
+        except ValueError as error:
+            if self.strict:
+                raise
+            rank_zero_warn(f"AccumulationScheduler: gradients are accumulated in {narrow[0].dtype}: {error}")
+            return
+        self._accumulator = WideAccumulator(narrow, self.dtype)
+        ctx.summary.append(f"gradients accumulated in {name} (+{self._accumulator.nbytes / 2**20:.1f} MiB)")
+
+    def _fsdp2(self, strategy: Any, model: Any, narrow: list[torch.Tensor]) -> None:
+        policy = strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else "every"
+        if narrow and policy != "last":
+            raise ValueError(
+                f"grad_accum_dtype={str(self.dtype)!r} with FSDP2 sharded parameters in {narrow[0].dtype}: with"
+                f" gradient_sync={policy!r} FSDP2 casts every micro-step's reduced gradient to the parameters' dtype"
+                " before it can be accumulated. Use ModelParallelAccumulationStrategy(gradient_sync='last'), keep"
+                " float32 sharded parameters (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`), or set"
+                " grad_accum_dtype=None to accumulate in the parameters' dtype"
+            )
+        self._restore = fsdp2_widen_reduce_dtype(model, self.dtype)
+
+    def _take_over_ddp(self, strategy: Any, model: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):  # FSDP1
+            raise ValueError(
+                f"grad_accum_dtype={str(self.dtype)!r} is not supported with FSDP1 ({type(strategy).__name__}): use"
+                " FSDP2 (ModelParallelAccumulationStrategy) or grad_accum_dtype=None"
+            )
+        if not isinstance(strategy, AccumulationStrategyMixin):
+            raise ValueError(
+                f"grad_accum_dtype={str(self.dtype)!r} under {type(strategy).__name__}: DDP would all-reduce only each"
+                " window's last micro-batch gradient, in the parameters' dtype. Use"
+                " lightning_accum.DDPAccumulationStrategy (it all-reduces the float32 sums once per window), or set"
+                " grad_accum_dtype=None"
+            )
+        group = model.process_group
+        self._all_reduce = lambda tensor: torch.distributed.all_reduce(tensor, group=group)
+        self._strategy = strategy
+
+    @override
+    def window_opened(self, ctx: Context) -> None:
+        self._active = self._accumulator is not None and ctx.window.size > 1  # one micro-batch rounds once anyway
+        if self._strategy is not None:
+            self._strategy.reduce_gradients_elsewhere(self._active)
+        if self._active:
+            assert self._accumulator is not None
+            self._accumulator.zero()
+
+    @override
+    def after_backward(self, ctx: Context) -> None:
+        if self._active:
+            assert self._accumulator is not None
+            self._accumulator.add()
+
+    @override
+    def window_closing(self, ctx: Context) -> None:
+        if not self._active:
+            return
+        assert self._accumulator is not None
+        if self._all_reduce is not None:
+            self._accumulator.reduce(self._all_reduce, ctx.world_size)
+        self._accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
+        ctx.gradient_scale = 1.0
+
+    @override
+    def fit_end(self, ctx: Context) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._strategy is not None:
+            self._strategy.reduce_gradients_elsewhere(False)
+        if self._restore is not None:
+            self._restore()
+        self._accumulator = self._all_reduce = self._strategy = self._restore = None
+        self._active = False

@@ -1,0 +1,131 @@
+"""Accumulating gradients in a wider dtype than the parameters': one rounding per window instead of one per micro-step.
+
+With ``bfloat16`` parameters every backward adds its gradient into a ``bfloat16`` ``.grad``, so a window of ``k``
+micro-batches rounds ``k`` times; the error grows with ``k`` (benchmarks/precision.py). A :class:`WideAccumulator`
+moves each micro-batch's gradient into a ``float32`` buffer right after its backward (``.grad`` is zeroed in place,
+so the next backward writes its gradient alone, exactly), and writes the window's mean back into ``.grad`` once,
+rounded to the parameter's dtype, before the optimizer step.
+
+Pure (torch only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "32": torch.float32,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+    "64": torch.float64,
+}
+
+
+def check_grad_accum_dtype(value: object) -> torch.dtype | None:
+    """The accumulation dtype ``value`` names: ``None`` (the parameters' own), ``"float32"``, ``"float64"`` or a dtype.
+
+    Raises:
+        TypeError: If ``value`` is neither ``None``, a string nor a ``torch.dtype``.
+        ValueError: If it names an unknown dtype, or one that is not at least as wide as ``float32``.
+
+    Example::
+
+        >>> check_grad_accum_dtype("float32")
+        torch.float32
+        >>> check_grad_accum_dtype(None) is None
+        True
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        name = value.lower().removeprefix("torch.")
+        if name not in _NAMES:
+            raise ValueError(
+                f"`grad_accum_dtype` must be None, 'float32' or 'float64' (or a torch dtype), got {value!r}"
+            )
+        return _NAMES[name]
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"`grad_accum_dtype` must be None, a dtype name or a torch.dtype, got {value!r}")
+    if value not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"`grad_accum_dtype={value}` would not widen anything: use torch.float32 (or torch.float64), or None to"
+            " accumulate in the parameters' dtype"
+        )
+    return value
+
+
+def narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
+    """Whether floating-point ``dtype`` holds fewer mantissa bits than ``than`` (``bfloat16`` < ``float32``)."""
+    return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(than).eps
+
+
+class WideAccumulator:
+    """A wide buffer per parameter: add each micro-batch's ``.grad`` into it, write the window's mean back once.
+
+    Args:
+        params: The trainable parameters to accumulate for (those narrower than ``dtype``).
+        dtype: The accumulation dtype.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+        >>> accumulator = WideAccumulator([weight], torch.float32)
+        >>> for value in (1.0, 2.0**-8, 2.0**-8):  # added in bfloat16, each 2**-8 would round away next to 1.0
+        ...     weight.grad = torch.full((3,), value, dtype=torch.bfloat16)
+        ...     accumulator.add()
+        >>> accumulator.write(scale=1.0); weight.grad.float().tolist()
+        [1.0078125, 1.0078125, 1.0078125]
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+        self.params = list(params)
+        self.dtype = dtype
+        self._flat: dict[torch.device, torch.Tensor] = {}  # one flat buffer per device: one reduction each
+        self.buffers: list[torch.Tensor] = []
+        for device in dict.fromkeys(p.device for p in self.params):
+            on_device = [p for p in self.params if p.device == device]
+            self._flat[device] = torch.zeros(sum(p.numel() for p in on_device), dtype=dtype, device=device)
+        offsets = dict.fromkeys(self._flat, 0)
+        for param in self.params:
+            start = offsets[param.device]
+            self.buffers.append(self._flat[param.device][start : start + param.numel()].view_as(param))
+            offsets[param.device] = start + param.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the buffers hold."""
+        return sum(flat.numel() * flat.element_size() for flat in self._flat.values())
+
+    def zero(self) -> None:
+        """Empty the buffers (a new window)."""
+        for flat in self._flat.values():
+            flat.zero_()
+
+    def add(self) -> None:
+        """Add each parameter's ``.grad`` (one micro-batch's gradient) into its buffer, then zero ``.grad``."""
+        pairs = [(buffer, p.grad) for buffer, p in zip(self.buffers, self.params, strict=True) if p.grad is not None]
+        if not pairs:
+            return
+        buffers, grads = [b for b, _ in pairs], [g for _, g in pairs]
+        torch._foreach_add_(buffers, grads)
+        torch._foreach_zero_(grads)
+
+    def reduce(self, all_reduce_sum: Callable[[torch.Tensor], None], world_size: int) -> None:
+        """Sum the buffers over ranks with ``all_reduce_sum`` (in place, in the wide dtype) and divide by the ranks."""
+        for flat in self._flat.values():
+            all_reduce_sum(flat)
+            if world_size > 1:
+                flat.div_(world_size)
+
+    def write(self, scale: float) -> None:
+        """Put ``scale x buffer`` into each ``.grad`` that exists, rounded once to the parameter's dtype."""
+        if scale != 1.0:
+            for flat in self._flat.values():
+                flat.mul_(scale)
+        for buffer, param in zip(self.buffers, self.params, strict=True):
+            if param.grad is not None:  # a parameter without a gradient in the window keeps None
+                param.grad.copy_(buffer)

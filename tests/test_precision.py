@@ -1,0 +1,162 @@
+"""Accumulation in float32 under bfloat16 parameters: the step's gradient is the correctly rounded window mean.
+
+The reference is plain PyTorch: each micro-batch's gradient computed alone by the same bfloat16 module (of the loss
+divided by the window's size, as Lightning divides it; a power of two, so exact), summed in float32 and rounded to
+bfloat16 once. Without float32 accumulation each micro-batch's gradient is added into a bfloat16 ``.grad``, one
+rounding per micro-step; the test measures that error too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_accum import AccumulationScheduler
+from lightning_accum.precision import WideAccumulator, check_grad_accum_dtype, narrower
+from tests.helpers import trainer
+
+FEATURES, FACTOR, MICRO_BATCH = 64, 32, 4
+
+
+def bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """|value - reference| in units in the last place of the bfloat16 ``reference`` (elementwise)."""
+    reference = reference.float()
+    exponent = torch.floor(torch.log2(reference.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)))
+    return (value.float() - reference).abs() / torch.exp2(exponent - 7)
+
+
+def make_data(samples: int = FACTOR * MICRO_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, FEATURES, generator=generator)
+    y = x @ torch.randn(FEATURES, FEATURES, generator=generator) / 8 + torch.randn(
+        samples, FEATURES, generator=generator
+    )
+    return x, y
+
+
+def make_net() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Linear(FEATURES, FEATURES)
+
+
+def reference_gradients(x: torch.Tensor, y: torch.Tensor, factor: int = FACTOR) -> list[torch.Tensor]:
+    """The correctly rounded mean of the micro-batch gradients of the bfloat16 module, one tensor per parameter."""
+    net = make_net().to(torch.bfloat16)
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in net.parameters()]
+    for start in range(0, factor * MICRO_BATCH, MICRO_BATCH):
+        net.zero_grad()
+        xb, yb = x[start : start + MICRO_BATCH].bfloat16(), y[start : start + MICRO_BATCH].bfloat16()
+        (nn.functional.mse_loss(net(xb), yb) / factor).backward()
+        for total, p in zip(sums, net.parameters(), strict=True):
+            total += p.grad.float()
+    return [total.to(torch.bfloat16) for total in sums]
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return RecordingSGD(self.parameters(), lr=0.1, seen=self.seen)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that records the gradients of its update: after the closure (the window's last backward, normalization
+    and clipping), as the update reads them."""
+
+    def __init__(self, params: Any, lr: float, seen: list[torch.Tensor]) -> None:
+        super().__init__(params, lr=lr)
+        self.seen = seen
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        self.seen.extend(p.grad.detach().clone() for group in self.param_groups for p in group["params"])
+        super().step()
+        return loss
+
+
+def optimizer_gradients(grad_accum_dtype: str | None, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    module = Module()
+    callback = AccumulationScheduler({0: FACTOR}, grad_accum_dtype=grad_accum_dtype)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH)
+    trainer([callback], max_steps=1, precision="bf16-true").fit(module, data)
+    assert all(g.dtype == torch.bfloat16 for g in module.seen)
+    return module.seen
+
+
+@pytest.fixture(scope="module")
+def measured():
+    x, y = make_data()
+    reference = reference_gradients(x, y)
+    errors = {}
+    for dtype in ("float32", "auto", None):
+        seen = optimizer_gradients(dtype, x, y)
+        errors[dtype] = max(bf16_ulps(g, r).max().item() for g, r in zip(seen, reference, strict=True))
+    return errors
+
+
+@pytest.mark.parametrize("grad_accum_dtype", ["float32", "auto"])
+def test_bf16_true_factor_32_is_within_one_ulp_of_the_correctly_rounded_mean(measured, grad_accum_dtype):
+    assert measured[grad_accum_dtype] <= 1.0
+
+
+def test_bf16_accumulation_is_what_the_option_removes(measured):
+    assert measured[None] > 8.0  # one rounding per micro-step, 32 of them (measured: tens of ulps)
+
+
+def test_the_summary_names_the_accumulation_dtype_and_its_memory(caplog):
+    x, y = make_data()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH)
+    with caplog.at_level("INFO"):
+        trainer([AccumulationScheduler({0: FACTOR})], max_steps=1, precision="bf16-true").fit(Module(), data)
+    assert "gradients accumulated in float32 (+0.0 MiB)" in caplog.text  # 64 x 65 parameters x 4 bytes
+
+
+def test_float32_parameters_allocate_nothing():
+    """bf16-mixed and 16-mixed keep float32 parameters and gradients: nothing to widen."""
+    accumulator_params = [p for p in make_net().parameters() if narrower(p.dtype, torch.float32)]
+    assert accumulator_params == []
+    assert narrower(torch.bfloat16, torch.float32)
+    assert narrower(torch.float16, torch.float32)
+    assert not narrower(torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("float16", ValueError, r"`grad_accum_dtype` must be None, 'float32' or 'float64'.*'float16'"),
+        ("int8", ValueError, r"got 'int8'"),
+        (torch.bfloat16, ValueError, r"`grad_accum_dtype=torch.bfloat16` would not widen anything"),
+        (32, TypeError, r"`grad_accum_dtype` must be None, a dtype name or a torch.dtype, got 32"),
+    ],
+)
+def test_a_bad_grad_accum_dtype_names_itself(value, error, match):
+    with pytest.raises(error, match=match):
+        AccumulationScheduler(grad_accum_dtype=value)
+
+
+def test_accepted_spellings():
+    for value in ("float32", "fp32", "torch.float32", torch.float32):
+        assert check_grad_accum_dtype(value) is torch.float32
+    assert check_grad_accum_dtype("float64") is torch.float64
+
+
+def test_the_accumulator_writes_only_gradients_that_exist():
+    used, unused = (nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)) for _ in range(2))
+    accumulator = WideAccumulator([used, unused], torch.float32)
+    used.grad = torch.ones(2, dtype=torch.bfloat16)
+    accumulator.add()
+    accumulator.write(scale=0.5)
+    assert used.grad.tolist() == [0.5, 0.5]
+    assert unused.grad is None
+    assert accumulator.nbytes == 16
