@@ -165,27 +165,32 @@ def fsdp2_widen_reduce_dtype(module: nn.Module | None, dtype: Any) -> Callable[[
     FSDP2 keeps the unreduced unsharded gradients of skipped reductions in its ``reduce_dtype`` when one is set
     (``MixedPrecisionPolicy(reduce_dtype=...)``), else in the gradients' own dtype, and reduce-scatters in that
     dtype; the reduced shard is cast to the sharded parameter's dtype once (measured in torch 2.13, see
-    docs/strategies.md). This sets the reduce dtype of each narrower unit to ``dtype``, exactly what that policy would
-    set. Returns a function that puts the previous reduce dtypes back.
+    docs/strategies.md). This gives each narrower unit's policy ``reduce_dtype=dtype``, exactly what the user could
+    have passed to ``fully_shard``, and applies it if FSDP2 already read the policy. Returns a function that puts the
+    previous policies back.
     """
+    import dataclasses
+
     from lightning_accum.precision import narrower
 
-    changed: list[tuple[Any, Any, Any]] = []  # (object, attribute, previous value)
+    changed: list[tuple[Any, Any]] = []  # (param group, previous policy)
     for group in _fsdp2_param_groups(module):
-        params = [p for p in getattr(group, "fsdp_params", []) if p.sharded_param.requires_grad]
-        if not params:
+        params = [p.sharded_param for p in getattr(group, "fsdp_params", []) if p.sharded_param.requires_grad]
+        policy = group.mp_policy
+        grad_dtype = policy.reduce_dtype or policy.param_dtype or (params[0].dtype if params else None)
+        if grad_dtype is None or not narrower(grad_dtype, dtype):
             continue
-        grad_dtype = params[0].reduce_dtype or params[0].param_dtype or params[0].orig_dtype
-        if not narrower(grad_dtype, dtype):
-            continue
-        for param in params:
-            changed.append((param, "reduce_dtype", param.reduce_dtype))
-            param.reduce_dtype = dtype
-        changed.append((group, "_reduce_dtype", group._reduce_dtype))
-        group._reduce_dtype = dtype
+        changed.append((group, policy))
+        _set_policy(group, dataclasses.replace(policy, reduce_dtype=dtype))
 
     def restore() -> None:
-        for owner, attribute, value in reversed(changed):
-            setattr(owner, attribute, value)
+        for group, policy in reversed(changed):
+            _set_policy(group, policy)
 
     return restore
+
+
+def _set_policy(group: Any, policy: Any) -> None:
+    group.mp_policy = policy
+    if all(hasattr(p, "reduce_dtype") for p in group.fsdp_params):  # FSDP2 initialised its dtypes already
+        group._init_mp_dtypes()

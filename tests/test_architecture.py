@@ -103,7 +103,11 @@ def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_na
         "progress_bar",
         "metrics",
     }
-    assert list(AccumulationScheduler(log_metrics=False).features) == ["wide_accumulation", "lr_scaling", "progress_bar"]
+    assert list(AccumulationScheduler(log_metrics=False).features) == [
+        "wide_accumulation",
+        "lr_scaling",
+        "progress_bar",
+    ]
 
 
 def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():

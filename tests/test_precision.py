@@ -8,6 +8,11 @@ rounding per micro-step; the test measures that error too.
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,6 +43,11 @@ def make_data(samples: int = FACTOR * MICRO_BATCH) -> tuple[torch.Tensor, torch.
     return x, y
 
 
+def loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """MSE in the prediction's dtype (FSDP2 with a bfloat16 ``param_dtype`` predicts in bfloat16 from float32 data)."""
+    return nn.functional.mse_loss(prediction, target.to(prediction.dtype))
+
+
 def make_net() -> nn.Module:
     torch.manual_seed(3)
     return nn.Linear(FEATURES, FEATURES)
@@ -50,7 +60,7 @@ def reference_gradients(x: torch.Tensor, y: torch.Tensor, factor: int = FACTOR) 
     for start in range(0, factor * MICRO_BATCH, MICRO_BATCH):
         net.zero_grad()
         xb, yb = x[start : start + MICRO_BATCH].bfloat16(), y[start : start + MICRO_BATCH].bfloat16()
-        (nn.functional.mse_loss(net(xb), yb) / factor).backward()
+        (loss(net(xb), yb) / factor).backward()
         for total, p in zip(sums, net.parameters(), strict=True):
             total += p.grad.float()
     return [total.to(torch.bfloat16) for total in sums]
@@ -64,7 +74,7 @@ class Module(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        return loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return RecordingSGD(self.parameters(), lr=0.1, seen=self.seen)
@@ -160,3 +170,90 @@ def test_the_accumulator_writes_only_gradients_that_exist():
     assert used.grad.tolist() == [0.5, 0.5]
     assert unused.grad is None
     assert accumulator.nbytes == 16
+
+
+# ------------------------------------------------------------------ two processes (tests/scripts/precision_ranks.py)
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "precision_ranks.py"
+
+
+def _launch(backend: str, out: Path) -> None:
+    done = subprocess.run(
+        ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), backend, str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("precision_ranks")
+    for backend in ("ddp", "fsdp2"):
+        _launch(backend, out)
+    return out
+
+
+def _two_rank_reference() -> list[torch.Tensor]:
+    """The correctly rounded mean over both ranks' 32 micro-batch gradients (rank r holds samples r*128 on)."""
+    x, y = make_data(2 * FACTOR * MICRO_BATCH)
+    net = make_net().to(torch.bfloat16)
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in net.parameters()]
+    for start in range(0, 2 * FACTOR * MICRO_BATCH, MICRO_BATCH):
+        net.zero_grad()
+        (loss(net(x[start : start + MICRO_BATCH].bfloat16()), y[start : start + MICRO_BATCH]) / FACTOR).backward()
+        for total, p in zip(sums, net.parameters(), strict=True):
+            total += p.grad.float()
+    return [(total / 2).to(torch.bfloat16) for total in sums]
+
+
+def _ulps(record: dict) -> float:
+    reference = _two_rank_reference()
+    return max(
+        bf16_ulps(torch.tensor(grad).view_as(r), r).max().item()
+        for grad, r in zip(record["grads"], reference, strict=True)
+    )
+
+
+def _records(out: Path, name: str) -> list[dict]:
+    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("ddp_float32", "torch.bfloat16"),  # DDP's reduction off; the float32 sums all-reduced once
+        ("fsdp2_last_float32", "torch.bfloat16"),  # bfloat16 shards: FSDP2 accumulates unsharded in float32
+        ("fsdp2_last_user_reduce_float32", "torch.bfloat16"),  # the user's reduce_dtype=float32 does the same
+        ("fsdp2_last_mixed_float32", "torch.float32"),  # float32 shards, bfloat16 compute
+        ("fsdp2_every_float32", "torch.float32"),  # reduce-scatter in float32 every micro-step
+    ],
+)
+def test_two_ranks_are_within_one_ulp_of_the_correctly_rounded_mean(two_ranks, name, dtype):
+    rank0, rank1 = _records(two_ranks, name)
+    assert "raised" not in rank0, rank0.get("raised")
+    assert rank0["grads"] == rank1["grads"]
+    assert set(rank0["dtypes"]) == {dtype}
+    assert _ulps(rank0) <= 1.0
+
+
+@pytest.mark.parametrize(
+    "name", ["ddp_none", "ddp_stock_auto", "fsdp2_last_none", "fsdp2_last_mixed_none", "fsdp2_every_none"]
+)
+def test_two_ranks_accumulating_in_bfloat16_show_the_error_the_option_removes(two_ranks, name):
+    rank0, _ = _records(two_ranks, name)
+    assert _ulps(rank0) > 8.0  # measured: hundreds to thousands of ulps in the worst element
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ddp_stock_float32", r"grad_accum_dtype='float32' under DDPStrategy.*DDPAccumulationStrategy"),
+        ("fsdp2_every_bf16_shards", r"FSDP2 sharded parameters in torch.bfloat16: with gradient_sync='every'"),
+    ],
+)
+def test_a_strategy_that_cannot_accumulate_wide_is_refused_on_every_rank(two_ranks, name, message):
+    for record in _records(two_ranks, name):
+        assert re.search(message, record["raised"])
+        assert record["grads"] == []  # refused before any step

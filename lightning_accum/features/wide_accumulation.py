@@ -69,7 +69,7 @@ class WideAccumulation(Feature):
         strategy = getattr(ctx.trainer, "strategy", None)
         model = getattr(strategy, "model", None)
         narrow = [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
-        name = str(self.dtype).removeprefix("torch.")
+        name = _name(self.dtype)
         try:
             if fsdp2_modules(model):
                 self._fsdp2(strategy, model, narrow)
@@ -91,7 +91,7 @@ class WideAccumulation(Feature):
         policy = strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else "every"
         if narrow and policy != "last":
             raise ValueError(
-                f"grad_accum_dtype={str(self.dtype)!r} with FSDP2 sharded parameters in {narrow[0].dtype}: with"
+                f"grad_accum_dtype={_name(self.dtype)!r} with FSDP2 sharded parameters in {narrow[0].dtype}: with"
                 f" gradient_sync={policy!r} FSDP2 casts every micro-step's reduced gradient to the parameters' dtype"
                 " before it can be accumulated. Use ModelParallelAccumulationStrategy(gradient_sync='last'), keep"
                 " float32 sharded parameters (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`), or set"
@@ -104,13 +104,13 @@ class WideAccumulation(Feature):
 
         if not isinstance(model, DistributedDataParallel):  # FSDP1
             raise ValueError(
-                f"grad_accum_dtype={str(self.dtype)!r} is not supported with FSDP1 ({type(strategy).__name__}): use"
+                f"grad_accum_dtype={_name(self.dtype)!r} is not supported with FSDP1 ({type(strategy).__name__}): use"
                 " FSDP2 (ModelParallelAccumulationStrategy) or grad_accum_dtype=None"
             )
         if not isinstance(strategy, AccumulationStrategyMixin):
             raise ValueError(
-                f"grad_accum_dtype={str(self.dtype)!r} under {type(strategy).__name__}: DDP would all-reduce only each"
-                " window's last micro-batch gradient, in the parameters' dtype. Use"
+                f"grad_accum_dtype={_name(self.dtype)!r} under {type(strategy).__name__}: DDP would all-reduce only"
+                " each window's last micro-batch gradient, in the parameters' dtype. Use"
                 " lightning_accum.DDPAccumulationStrategy (it all-reduces the float32 sums once per window), or set"
                 " grad_accum_dtype=None"
             )
@@ -154,3 +154,7 @@ class WideAccumulation(Feature):
             self._restore()
         self._accumulator = self._all_reduce = self._strategy = self._restore = None
         self._active = False
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -159,6 +159,8 @@ class AccumulationStrategyMixin:
         strategy: Any = self
         model = strategy.model
         if not isinstance(model, DistributedDataParallel):
+            if not elsewhere:  # after teardown the model is unwrapped: nothing to give back
+                return
             raise ValueError(
                 f"{type(self).__name__} can hand its gradient reduction to the callback only under DDP, not"
                 f" {type(model).__name__}"

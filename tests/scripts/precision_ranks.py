@@ -1,0 +1,124 @@
+"""One window of 32 bfloat16 micro-batches on 2 CPU processes (gloo); record the gradient the optimizer sees.
+
+    python tests/scripts/precision_ranks.py ddp OUT_DIR
+    python tests/scripts/precision_ranks.py fsdp2 OUT_DIR
+
+Each rank trains on its own half of the data in order (no DistributedSampler), so micro-step j of rank r holds
+samples ``r * 128 + 4j ...``. For each configuration every rank writes ``OUT_DIR/<name>.rank<r>.json``: the full
+gradient each parameter had at the update (or the error raised). tests/test_precision.py compares it with the
+correctly rounded mean of the 64 micro-batch gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_accum import (  # noqa: E402
+    AccumulationScheduler,
+    DDPAccumulationStrategy,
+    ModelParallelAccumulationStrategy,
+)
+from tests.test_precision import FACTOR, MICRO_BATCH, RecordingSGD, loss, make_data, make_net  # noqa: E402
+
+
+class Module(pl.LightningModule):
+    def __init__(self, shard: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.net = make_net()
+        self.shard = shard
+        self.seen: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.shard is not None:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            policy = MixedPrecisionPolicy(**self.shard)
+            fully_shard(self.net, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return RecordingSGD(self.parameters(), lr=0.1, seen=self.seen)
+
+
+# name -> (backend strategy, Trainer precision, fully_shard's MixedPrecisionPolicy arguments, grad_accum_dtype)
+BF16 = {"param_dtype": torch.bfloat16}
+CONFIGS: dict[str, tuple[str, str, dict[str, Any] | None, str | None]] = {
+    "ddp_float32": ("ddp", "bf16-true", None, "float32"),
+    "ddp_none": ("ddp", "bf16-true", None, None),
+    "ddp_stock_float32": ("ddp_stock", "bf16-true", None, "float32"),  # refused on every rank
+    "ddp_stock_auto": ("ddp_stock", "bf16-true", None, "auto"),  # warns, accumulates in bfloat16
+    # bfloat16 sharded parameters
+    "fsdp2_last_float32": ("last", "bf16-true", {}, "float32"),
+    "fsdp2_last_none": ("last", "bf16-true", {}, None),
+    "fsdp2_last_user_reduce_float32": ("last", "bf16-true", {"reduce_dtype": torch.float32}, None),
+    "fsdp2_every_bf16_shards": ("every", "bf16-true", {}, "float32"),  # refused on every rank
+    # float32 sharded parameters, bfloat16 compute
+    "fsdp2_every_float32": ("every", "32-true", BF16, "float32"),
+    "fsdp2_every_none": ("every", "32-true", BF16, None),
+    "fsdp2_last_mixed_float32": ("last", "32-true", BF16, "float32"),
+    "fsdp2_last_mixed_none": ("last", "32-true", BF16, None),
+}
+
+
+def run(name: str, out: Path) -> None:
+    kind, precision, shard, grad_accum_dtype = CONFIGS[name]
+    if kind == "ddp":
+        strategy: Any = DDPAccumulationStrategy()
+    elif kind == "ddp_stock":
+        strategy = DDPStrategy()
+    else:
+        strategy = ModelParallelAccumulationStrategy(gradient_sync=kind, data_parallel_size=2, tensor_parallel_size=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        precision=precision,
+        max_steps=1,
+        callbacks=[AccumulationScheduler({0: FACTOR}, grad_accum_dtype=grad_accum_dtype)],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    x, y = make_data(2 * FACTOR * MICRO_BATCH)
+    half = slice(rank * FACTOR * MICRO_BATCH, (rank + 1) * FACTOR * MICRO_BATCH)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[half], y[half]), batch_size=MICRO_BATCH)
+    module = Module(None if kind.startswith("ddp") else shard)
+    record: dict[str, Any] = {}
+    try:
+        trainer.fit(module, data)
+    except ValueError as error:  # the same check fails on every rank
+        record["raised"] = str(error)
+    full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in module.seen]
+    record["grads"] = [g.float().flatten().tolist() for g in full]
+    record["dtypes"] = [str(g.dtype) for g in full]
+    (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+def main() -> None:
+    backend, out = sys.argv[1], Path(sys.argv[-1])
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (kind, *_) in CONFIGS.items():
+        if kind.startswith("ddp") == (backend == "ddp"):
+            run(name, out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as two_ranks.py: skip torch's exit-time teardown after gloo
+
+
+if __name__ == "__main__":
+    main()
