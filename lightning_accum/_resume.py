@@ -44,6 +44,8 @@ class ResumePoint:
         self._loaders: list[dict[str, Any]] | None = None
         self._batches: tuple[int, int, bool] | None = None  # batches completed before the window (in all, in the
         # epoch), and whether its first batch is the epoch's last
+        self._fit_loop: Any = None  # the Trainer's fit loop, to tell whether the window has stepped
+        self._steps_at_open = 0
 
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
@@ -55,6 +57,12 @@ class ResumePoint:
         """Keep where the window starts: the batches completed before it."""
         progress = trainer.fit_loop.epoch_loop.batch_progress
         self._batches = (progress.total.completed, progress.current.completed, progress.is_last_batch)
+        self._fit_loop, self._steps_at_open = trainer.fit_loop, trainer.global_step
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the optimizer has stepped since the window opened (its update is in the weights)."""
+        return self._fit_loop is not None and self._fit_loop.epoch_loop.global_step > self._steps_at_open
 
     @property
     def ready(self) -> bool:
@@ -74,7 +82,10 @@ class ResumePoint:
             counts.update(ready=done + 1, started=done + 1, processed=done, completed=done)
         progress["is_last_batch"] = is_last_batch
         loop_state = fit_loop.setdefault("state_dict", {})
-        if self._loaders is not None:
+        if self._loaders is not None and current > 0:
             loop_state["combined_loader"] = copy.deepcopy(self._loaders)
         else:
+            # the window is the epoch's first: the states kept after the previous epoch's last batch would resume at
+            # that epoch's end (torchdata's StatefulDataLoader then yields nothing); without a state, each loader
+            # starts the epoch afresh, as the window does
             loop_state.pop("combined_loader", None)

@@ -238,6 +238,8 @@ class AccumulationScheduler(Callback):
             )
         if trainer.ckpt_path is not None and not self._resume.restored and trainer.global_step > 0:
             self._count_from_the_loop(trainer)
+        if trainer.ckpt_path is not None:
+            _warn_if_resuming_mid_epoch_without_loader_state(trainer)
         ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
         ctx.schedule, ctx.factor, ctx.summary = self._schedule, self._scheduled_factor(trainer), []
         self._features.dispatch(Event.FIT_START, ctx)
@@ -255,11 +257,14 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        self._resume.in_step = False  # a batch whose rest of epoch was skipped (-1) never reached its end
         if not self._ctx.window.closed:
             # an epoch cut short (should_stop, a skipped rest of epoch): its partial window never stepped
             self._ctx.window.discard()
             if isinstance(trainer.strategy, AccumulationStrategyMixin):
                 trainer.strategy.drop_unreduced_gradients()
+            if self._resume.ready:
+                self._resume.between_windows(trainer, self._current_state())
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
@@ -360,7 +365,8 @@ class AccumulationScheduler(Callback):
     @property
     def _rewinding(self) -> bool:
         """Whether a checkpoint written now falls inside a window (a micro-step in progress, or a window open)."""
-        return self._resume.ready and (self._resume.in_step or not self._ctx.window.closed)
+        resume = self._resume
+        return resume.ready and (resume.in_step or not self._ctx.window.closed) and not resume.stepped
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -561,6 +567,18 @@ def _factor_before_training(trainer: pl.Trainer, spec: ScheduleSpec, samples_see
             " AccumulationScheduler"
         )
     return 1  # a batch-size search: its trials measure memory, and the size it finds sets the factor
+
+
+def _warn_if_resuming_mid_epoch_without_loader_state(trainer: pl.Trainer) -> None:
+    """Lightning's own check assumes a constant factor (steps per epoch), so it misses most resumes under a schedule."""
+    done = int(getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0))
+    if 0 < done < trainer.num_training_batches and not trainer.fit_loop.on_save_checkpoint().get("combined_loader"):
+        rank_zero_warn(
+            f"AccumulationScheduler: resuming in the middle of an epoch (after batch {done}) with a train dataloader"
+            " that has no `state_dict`: the epoch's data starts again from its beginning, so the resumed run differs"
+            " from the uninterrupted one. Use a resumable dataloader (torchdata's StatefulDataLoader) or resume from"
+            " a checkpoint written at an epoch's end"
+        )
 
 
 def _warn_if_optimization_hooks_are_overridden(pl_module: pl.LightningModule) -> None:

@@ -133,7 +133,11 @@ def check_count(value: Any, batch_idx: int, source: str = "count_items") -> torc
             )
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"`{source}` returned a {value.dtype} tensor for batch {batch_idx}: {hint}")
+        if value.is_floating_point() and torch.finfo(value.dtype).bits < 32:
+            value = value.float()  # a window's total of half-precision counts would round
         return value.reshape(())
+    if not isinstance(value, (bool, numbers.Number)) and getattr(value, "size", None) == 1 and hasattr(value, "item"):
+        value = value.item()  # a one-element NumPy array
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(
             f"`{source}` returned {value!r} ({type(value).__name__}) for batch {batch_idx}: {hint}"

@@ -167,6 +167,9 @@ class ManualAccumulation:
         try:
             with strategy.block_backward_sync() if skip else nullcontext():  # type: ignore[attr-defined]
                 yield micro
+        except BaseException:
+            self._where = None  # a retry of this batch (a second fit on the same Trainer) is not a second entry
+            raise
         finally:
             self._active = False
         if window.closed and window.gradient_correction != 1.0:
@@ -176,24 +179,45 @@ class ManualAccumulation:
                         param.grad.mul_(window.gradient_correction)
 
     def _check_steps(self, trainer: pl.Trainer) -> None:
-        """Give each optimizer of this Trainer a step pre-hook that refuses a step the window does not allow."""
+        """Give the optimizer a step pre-hook that refuses a step the window does not allow.
+
+        Only with one optimizer: with several, one may step outside the accumulation (a GAN's discriminator on every
+        batch), which a hook cannot tell from misuse.
+        """
         if self._hooked == id(trainer):
             return
         for handle in self._handles:
             handle.remove()
-        self._handles = [optimizer.register_step_pre_hook(self._before_step) for optimizer in trainer.optimizers]
+        optimizers = trainer.optimizers if len(trainer.optimizers) == 1 else []
+        self._handles = [optimizer.register_step_pre_hook(self._before_step) for optimizer in optimizers]
         self._hooked = id(trainer)
         self._model = weakref.ref(trainer.strategy.model) if trainer.strategy.model is not None else None
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         window = self._window
         if window.size == 0:  # no micro-step yet: a step outside the accumulation is the user's business
-            return
+            return None
         if not window.closed:
             raise RuntimeError(
                 f"optimizer.step() was called on micro-step {window.taken} of a window of {window.size}: the"
                 " gradient holds only part of the window. Step only when `micro.should_step` is true"
             )
+        # torch hands a pre-hook the step's own arguments: (optimizer, closure?) and its keywords
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._check_backward(optimizer)
+            return None
+
+        def checked_closure() -> Any:  # L-BFGS and Lightning's closures: the backward may run inside
+            result = closure()
+            self._check_backward(optimizer)
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": checked_closure}
+        return (args[0], checked_closure, *args[2:]), kwargs
+
+    def _check_backward(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         now = _grad_versions(params)
         model = self._model() if self._model is not None else None

@@ -59,13 +59,16 @@ class BatchStream(IterableDataset):
 class ResumableLoader(DataLoader):
     """A DataLoader that Lightning can resume in the middle of an epoch (it has ``state_dict``/``load_state_dict``).
 
-    Its state is the batches yielded in the epoch in progress, as torchdata's StatefulDataLoader keeps it: an epoch
-    that was iterated to its end resumes as a new epoch, and a state loaded but not yet iterated is reported as is.
+    Its state is the batches yielded in the epoch in progress, as torchdata's StatefulDataLoader keeps it, and a
+    state loaded but not yet iterated is reported as is. An epoch iterated to its end resumes as a new epoch, unless
+    ``wrap=False``: then, as torchdata's loader does when Lightning never asked it past the last batch, it resumes at
+    that end and yields nothing more.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, wrap: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.yielded = self.skip = 0
+        self.wrap = wrap
 
     def __iter__(self) -> Iterator[Any]:
         skip, self.skip = self.skip, 0
@@ -77,7 +80,7 @@ class ResumableLoader(DataLoader):
 
     def state_dict(self) -> dict[str, int]:
         consumed = self.skip or self.yielded
-        return {"consumed": 0 if consumed >= len(self) else consumed}
+        return {"consumed": 0 if consumed >= len(self) and self.wrap else consumed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.skip = state["consumed"]

@@ -28,14 +28,15 @@ class Injected(RuntimeError):
 
 
 class Fault:
-    """Writes a checkpoint and raises at ``hook`` in epoch 0's batch ``batch_idx``."""
+    """Writes a checkpoint and raises at ``hook`` in batch ``batch_idx`` of ``epoch``."""
 
-    def __init__(self, hook: str, batch_idx: int, path: Any) -> None:
-        self.hook, self.batch_idx, self.path = hook, batch_idx, path
+    def __init__(self, hook: str, batch_idx: int, path: Any, epoch: int = 0) -> None:
+        self.hook, self.batch_idx, self.path, self.epoch = hook, batch_idx, path, epoch
         self.lr_at_fault: float | None = None
 
     def __call__(self, trainer: Any, hook: str) -> None:
-        if hook != self.hook or trainer.current_epoch != 0 or trainer.fit_loop.epoch_loop.batch_idx != self.batch_idx:
+        where = (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx)
+        if hook != self.hook or where != (self.epoch, self.batch_idx):
             return
         self.lr_at_fault = trainer.optimizers[0].param_groups[0]["lr"]
         trainer.save_checkpoint(self.path)
@@ -156,3 +157,82 @@ def test_a_checkpoint_between_windows_is_written_as_lightning_writes_it(tmp_path
     checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
     assert checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"] == saved["progress"]
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed": WINDOW[2] + 1}]
+
+
+def _resumed_run(path, loader_factory=_loader):
+    resumed = Module(seed=99)
+    resumed_trainer = trainer([_callback()], max_epochs=2, gradient_clip_val=100.0)
+    resumed_trainer.fit(resumed, loader_factory(), ckpt_path=path)
+    return weights(resumed), resumed_trainer.global_step
+
+
+def test_a_checkpoint_in_an_epochs_first_window_starts_the_loader_afresh(tmp_path, uninterrupted):
+    """The loader state kept after the previous epoch's last batch would resume at that epoch's end, where a
+    torchdata StatefulDataLoader yields nothing: the checkpoint holds no loader state, and the epoch starts anew."""
+
+    def torchdata_like():
+        x, y = make_data(40)
+        return ResumableLoader(TensorDataset(x, y), batch_size=4, wrap=False)
+
+    fault = Fault("on_after_backward", 1, tmp_path / CHECKPOINT, epoch=1)  # epoch 1's first window: batches 0-2
+    failing = trainer([_callback(), FaultCallback(fault)], max_epochs=2, gradient_clip_val=100.0)
+    with pytest.raises(Injected):
+        failing.fit(Module(), torchdata_like())
+    checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert "combined_loader" not in checkpoint["loops"]["fit_loop"]["state_dict"]
+    reference, steps = uninterrupted
+    resumed, resumed_steps = _resumed_run(tmp_path / CHECKPOINT, torchdata_like)
+    assert resumed_steps == steps
+    assert max_deviation(resumed, reference) <= 1e-6
+
+
+def test_a_checkpoint_written_after_the_step_by_a_callback_listed_first_is_not_rewound(tmp_path, uninterrupted):
+    """A saver that runs before the AccumulationScheduler in on_train_batch_end sees the window's step done."""
+
+    class SaveAtBatch8(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.current_epoch == 0 and batch_idx == WINDOW[2]:
+                trainer.save_checkpoint(tmp_path / CHECKPOINT)
+
+    trainer([SaveAtBatch8(), _callback()], max_epochs=1).fit(Module(), _loader())
+    checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert checkpoint["global_step"] == 4
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed": WINDOW[2] + 1}]
+    reference, steps = uninterrupted
+    resumed, resumed_steps = _resumed_run(tmp_path / CHECKPOINT)
+    assert resumed_steps == steps
+    assert max_deviation(resumed, reference) <= 1e-6
+
+
+def test_a_window_dropped_by_a_skipped_rest_of_epoch_leaves_no_stale_resume_point(tmp_path):
+    """-1 from on_train_batch_start inside a window; a checkpoint in the next epoch's first window resumes exactly."""
+
+    class SkipsRestAt7(Module):
+        def on_train_batch_start(self, batch, batch_idx):
+            return -1 if (self.current_epoch, batch_idx) == (0, 7) else None
+
+    class SaveInEpoch1(Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx) == (1, 1):
+                trainer.save_checkpoint(tmp_path / CHECKPOINT)
+
+    whole = SkipsRestAt7()
+    whole_trainer = trainer([_callback(), SaveInEpoch1()], max_epochs=2)
+    whole_trainer.fit(whole, _loader())
+    checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert checkpoint["callbacks"]["AccumulationScheduler"]["micro_steps"] == 7  # batches 0-6 trained in epoch 0
+    resumed = SkipsRestAt7(seed=99)
+    resumed_trainer = trainer([_callback()], max_epochs=2)
+    resumed_trainer.fit(resumed, _loader(), ckpt_path=tmp_path / CHECKPOINT)
+    assert resumed_trainer.global_step == whole_trainer.global_step
+    assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
+
+
+def test_resuming_mid_epoch_with_a_loader_without_state_warns(tmp_path):
+    fault = Fault("on_before_backward", WINDOW[1], tmp_path / CHECKPOINT)
+    x, y = make_data(40)
+    plain = torch.utils.data.DataLoader(TensorDataset(x, y), batch_size=4)
+    with pytest.raises(Injected):
+        trainer([_callback(), FaultCallback(fault)], max_epochs=2).fit(Module(), plain)
+    with pytest.warns(UserWarning, match=r"resuming in the middle of an epoch \(after batch 6\).*no `state_dict`"):
+        trainer([_callback()], max_epochs=2).fit(Module(), plain, ckpt_path=tmp_path / CHECKPOINT)

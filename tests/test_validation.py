@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
@@ -305,3 +306,97 @@ def test_manual_accumulation_accepts_either_way_of_zeroing(set_to_none):
     fit_trainer = trainer(max_epochs=2)
     fit_trainer.fit(model, loader(x, y, 4))
     assert fit_trainer.global_step == 8
+
+
+def test_manual_accumulation_lets_a_second_optimizer_step_every_batch():
+    """A GAN-like module: the generator accumulates, the discriminator steps on every batch."""
+
+    class TwoOptimizers(RegressionModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.accumulation = ManualAccumulation(2)
+            self.other = torch.nn.Linear(5, 1)
+
+        def training_step(self, batch, batch_idx):
+            main, other = self.optimizers()
+            with self.accumulation.micro_step(self) as micro:
+                self.manual_backward(micro.scale(super().training_step(batch, batch_idx)))
+            if micro.should_step:
+                main.step()
+                main.zero_grad()
+            self.manual_backward(self.other(batch[0]).pow(2).mean())
+            other.step()
+            other.zero_grad()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.net.parameters(), lr=0.1), torch.optim.SGD(self.other.parameters(), lr=0.1)
+
+    x, y = make_data(32)
+    fit_trainer = trainer(max_epochs=1)
+    fit_trainer.fit(TwoOptimizers(), loader(x, y, 4))
+    assert fit_trainer.global_step == 4 + 8  # Lightning counts both optimizers' steps
+
+
+def test_manual_accumulation_retries_a_failed_batch_on_the_same_trainer():
+    class FailsOnce(MisusedManualAccumulation):
+        failed = False
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            with self.accumulation.micro_step(self) as micro:
+                if not FailsOnce.failed:
+                    FailsOnce.failed = True
+                    raise RuntimeError("transient")
+                self.manual_backward(micro.scale(RegressionModule.training_step(self, batch, batch_idx)))
+            if micro.should_step:
+                optimizer.step()
+                optimizer.zero_grad()
+
+    x, y = make_data(32)
+    model = FailsOnce("none")
+    fit_trainer = trainer(max_epochs=1)
+    with pytest.raises(RuntimeError, match="transient"):
+        fit_trainer.fit(model, loader(x, y, 4))
+    fit_trainer.fit(model, loader(x, y, 4))
+    assert fit_trainer.global_step == 4
+
+
+def test_manual_accumulation_with_lbfgs_runs_the_backward_inside_the_closure():
+    class LBFGSModule(MisusedManualAccumulation):
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            with self.accumulation.micro_step(self) as micro:
+                pass
+            if micro.should_step:
+
+                def closure():
+                    optimizer.zero_grad()
+                    loss = RegressionModule.training_step(self, batch, batch_idx)
+                    self.manual_backward(loss)
+                    return loss
+
+                optimizer.step(closure=closure)
+
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+    x, y = make_data(32)
+    model = LBFGSModule("none")
+    before = weights(model)
+    trainer(max_epochs=1).fit(model, loader(x, y, 4))
+    assert max_deviation(weights(model), before) > 0
+
+
+@pytest.mark.parametrize(
+    "count",
+    [np.int64(4), np.array(4), np.array([4.0]), torch.tensor(4, dtype=torch.bfloat16), torch.tensor([[4]]), 4.0],
+    ids=["numpy int", "0-d numpy array", "1-element numpy array", "bfloat16 tensor", "1x1 tensor", "float"],
+)
+def test_counts_of_every_numeric_kind_are_accepted(count):
+    x, y = make_data(32)
+    reference, model = RegressionModule(), RegressionModule()
+    trainer([AccumulationScheduler({0: 4}, normalize_by="sample")], max_epochs=1).fit(reference, loader(x, y, 4))
+    callback = AccumulationScheduler({0: 4}, normalize_by="sample", count_items=lambda batch: count)
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 4))
+    assert max_deviation(weights(model), weights(reference)) <= 1e-6  # equal counts: equal weights
