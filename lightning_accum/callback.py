@@ -34,6 +34,7 @@ from lightning_accum.features import (
     Metrics,
     NoiseScale,
     ProgressBar,
+    TokenCount,
     WideAccumulation,
 )
 from lightning_accum.precision import check_grad_accum_dtype
@@ -54,13 +55,17 @@ class AccumulationScheduler(Callback):
     Args:
         scheduling: ``{position: factor}``; positions before the first key use factor 1. ``None`` with no
             ``target_batch_size`` means factor 1 throughout.
-        unit: What the keys count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (samples consumed by all
-            ranks together, ``micro_batch_size x world_size`` per micro-step).
+        unit: What the keys count: ``"epoch"``, ``"step"`` (optimizer steps), ``"sample"`` (samples consumed by all
+            ranks together, ``micro_batch_size x world_size`` per micro-step) or ``"token"`` (loss-bearing tokens
+            consumed by all ranks together, counted as ``normalize_by="token"`` counts them;
+            :class:`~lightning_accum.features.TokenCount`). With a ramp, ``"token"`` makes ``ramp_samples`` count
+            tokens.
         target_batch_size: The global effective batch in samples: factor = target / (micro-batch x world size).
         ramp_start_batch_size: With the next two: ramp the global batch linearly from this size to
             ``target_batch_size``, as Megatron's ``--rampup-batch-size``.
         ramp_increment: How much the global batch grows at each stage of the ramp.
-        ramp_samples: Samples (all ranks together) over which the ramp reaches ``target_batch_size``.
+        ramp_samples: Samples (all ranks together; tokens with ``unit="token"``) over which the ramp reaches
+            ``target_batch_size``.
         micro_batch_size: Samples per micro-batch on one rank; by default rank zero's train dataloader
             ``batch_size``.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR used is the configured one times
@@ -111,7 +116,7 @@ class AccumulationScheduler(Callback):
     def __init__(
         self,
         scheduling: Scheduling | None = None,
-        unit: Literal["epoch", "step", "sample"] = "epoch",
+        unit: Literal["epoch", "step", "sample", "token"] = "epoch",
         target_batch_size: PositiveInt | None = None,
         ramp_start_batch_size: PositiveInt | None = None,
         ramp_increment: PositiveInt | None = None,
@@ -145,6 +150,7 @@ class AccumulationScheduler(Callback):
         # off; the order is the order events reach them: weighting publishes the items the noise scale reads, the
         # noise scale what growth reads, growth the factor LR scaling reads, and metrics logs what all of them added.
         registry: list[tuple[Feature, bool]] = [
+            (TokenCount(token_key, ignore_index, count_items if normalize_by == "token" else None), unit == "token"),
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
             (NoiseScale(noise_scale_decay), check_bool("noise_scale", noise_scale)),
             (growth, adaptive),
@@ -407,7 +413,8 @@ class AccumulationScheduler(Callback):
 
     def _scheduled_factor(self, trainer: pl.Trainer) -> int:
         assert self._schedule is not None, "on_train_start builds the schedule"
-        return self._schedule.factor_at(_position(trainer, self._ctx.samples_seen)[self._schedule.unit])
+        ctx = self._ctx
+        return self._schedule.factor_at(_position(trainer, ctx.samples_seen, ctx.tokens_seen)[self._schedule.unit])
 
     def _release(self, trainer: pl.Trainer) -> None:
         """Give the Trainer back as it was; safe to call more than once."""
@@ -550,9 +557,9 @@ def _count_steps(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int 
     )
 
 
-def _position(trainer: pl.Trainer, samples_seen: int) -> dict[str, int]:
+def _position(trainer: pl.Trainer, samples_seen: int, tokens_seen: int = 0) -> dict[str, int]:
     """Where the run is, in each unit a schedule can be keyed by."""
-    return {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": samples_seen}
+    return {"epoch": trainer.current_epoch, "step": trainer.global_step, "sample": samples_seen, "token": tokens_seen}
 
 
 def _factor_before_training(trainer: pl.Trainer, spec: ScheduleSpec, samples_seen: int) -> int:

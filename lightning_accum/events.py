@@ -86,6 +86,7 @@ class Context:
         schedule: The run's schedule, from ``FIT_START``.
         optimizer_steps: Optimizer steps taken (``trainer.global_step``), current at window events.
         samples_seen: Samples consumed by all ranks together (``micro_batch_size x world_size`` per micro-step).
+        tokens_seen: Published by the token count (``unit="token"``): loss-bearing tokens consumed by all ranks.
         micro_steps: Micro-batches trained on by one rank.
         window: The window in progress.
         factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
@@ -123,6 +124,7 @@ class Context:
 
     optimizer_steps: int = 0
     samples_seen: int = 0
+    tokens_seen: int = 0
     micro_steps: int = 0
 
     schedule: Schedule | None = None

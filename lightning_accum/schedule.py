@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-Unit = Literal["epoch", "step", "sample"]
+Unit = Literal["epoch", "step", "sample", "token"]
 UNITS: tuple[str, ...] = get_args(Unit)
 
 
@@ -58,7 +58,7 @@ def check_unit(unit: object) -> Unit:
     """Return ``unit`` if it is one of :data:`UNITS`.
 
     Raises:
-        ValueError: If ``unit`` is not ``'epoch'``, ``'step'`` or ``'sample'``.
+        ValueError: If ``unit`` is not ``'epoch'``, ``'step'``, ``'sample'`` or ``'token'``.
 
     Example::
 
@@ -77,8 +77,8 @@ class Schedule:
 
     Args:
         points: ``(position, factor)`` pairs sorted by position; the first position is 0.
-        unit: What the positions count: ``"epoch"``, ``"step"`` (optimizer steps) or ``"sample"`` (samples consumed
-            by all ranks together).
+        unit: What the positions count: ``"epoch"``, ``"step"`` (optimizer steps), ``"sample"`` (samples consumed
+            by all ranks together) or ``"token"`` (loss-bearing tokens consumed by all ranks together).
 
     Example::
 
@@ -281,7 +281,7 @@ def build_schedule(
             f" micro_batch_size x world_size = {micro_batch_size} x {world_size} = {per_micro_step}: choose"
             f" ramp_start_batch_size and ramp_increment as multiples of {per_micro_step}"
         )
-    return Schedule(points=tuple(points), unit="sample")
+    return Schedule(points=tuple(points), unit="token" if unit == "token" else "sample")
 
 
 @dataclass(frozen=True)
@@ -391,6 +391,7 @@ def run_epoch(
     max_steps: int = -1,
     samples_per_micro_step: int = 1,
     min_factor: int = 1,
+    tokens: int = 0,
 ) -> tuple[int, int, int]:
     """The windows of one epoch from ``first_batch`` on, until the epoch's end or ``max_steps``.
 
@@ -408,6 +409,7 @@ def run_epoch(
         max_steps: Optimizer steps after which training stops; -1 for no limit.
         samples_per_micro_step: Samples all ranks consume together in one micro-step (micro-batch x world size).
         min_factor: The smallest factor a window may have.
+        tokens: Loss-bearing tokens consumed (all ranks) before it, for a token-keyed schedule.
 
     Returns:
         ``(micro-batches, optimizer steps, samples)`` of the epoch from ``first_batch`` on.
@@ -420,7 +422,8 @@ def run_epoch(
     batch, taken_steps, taken_samples = first_batch, 0, 0
     while batch < batches_per_epoch and (max_steps < 0 or steps + taken_steps < max_steps):
         step, sample = steps + taken_steps, samples + taken_samples
-        position = {"epoch": epoch, "step": step, "sample": sample}[schedule.unit]
+        # tokens per batch are not known ahead: a token-keyed factor is held at the one in force at ``tokens``
+        position = {"epoch": epoch, "step": step, "sample": sample, "token": tokens}[schedule.unit]
         factor = max(schedule.factor_at(position), min_factor)
         left = batches_per_epoch - batch
         windows = math.ceil(left / factor)  # the rest of the epoch, last window possibly incomplete

@@ -23,6 +23,7 @@ from lightning_accum.features import (
     Metrics,
     NoiseScale,
     ProgressBar,
+    TokenCount,
     WideAccumulation,
 )
 
@@ -53,7 +54,7 @@ MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 
 def test_no_feature_module_imports_another():
     features = {name for name in MODULES if name.startswith("lightning_accum.features.")}
-    assert len(features) == 7
+    assert len(features) == 8
     for name in features:
         assert not (imports(MODULES[name]) & (features - {name})), name
 
@@ -130,6 +131,7 @@ def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
 
 def test_the_documented_event_table_is_what_each_feature_handles():
     features = [
+        TokenCount(),
         ItemWeighting(),
         NoiseScale(),
         AdaptiveGrowth(),

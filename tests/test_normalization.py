@@ -218,3 +218,65 @@ def test_a_skipped_micro_step_under_each_normalization(normalize_by):
     ((first + last) / 3 if normalize_by == "micro_batch" else (first + last) / 2).backward()
     optimizer.step()
     assert max_deviation(weights(model), [p.detach() for p in net.parameters()]) <= TOLERANCE
+
+
+# ------------------------------------------------------------------ unit="token": schedules keyed by tokens consumed
+
+
+def token_keyed_reference(data, batch_size, epochs, factor_at):
+    """Plain PyTorch: at each window's start, the factor for the loss-bearing tokens consumed so far (windows never
+    span epochs); one SGD step per window on the mean of its micro-batches' token-mean losses."""
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    labels, features = data["labels"], data["features"]
+    batches = [slice(i, i + batch_size) for i in range(0, len(labels), batch_size)]
+    tokens, windows = 0, []
+    for _ in range(epochs):
+        start = 0
+        while start < len(batches):
+            size = min(factor_at(tokens), len(batches) - start)
+            window = batches[start : start + size]
+            optimizer.zero_grad()
+            (sum(token_loss(net, features[b], labels[b]) for b in window) / size).backward()
+            optimizer.step()
+            tokens += sum(int((labels[b] != -100).sum()) for b in window)
+            windows.append(size)
+            start += size
+    return [p.detach().clone() for p in net.parameters()], windows
+
+
+def test_a_token_keyed_schedule_matches_plain_pytorch():
+    data = make_tokens(48)  # 0 to 6 loss-bearing tokens a sequence: micro-batches hold different counts
+    model = TokenModule()
+    schedule = {0: 1, 40: 3, 150: 2}
+
+    def factor_at(tokens):
+        return schedule[max(key for key in schedule if key <= tokens)]
+
+    reference, windows = token_keyed_reference(data, 4, 2, factor_at)
+    fit = trainer([AccumulationScheduler(schedule, unit="token")], max_epochs=2)
+    fit.fit(model, DataLoader(DictDataset(data), batch_size=4))
+    assert len(set(windows)) == 3  # every factor of the schedule was used
+    assert fit.global_step == len(windows)
+    assert max_deviation(weights(model), reference) <= TOLERANCE
+    assert fit.callbacks[0].features["token_count"].tokens_seen == 2 * int((data["labels"] != -100).sum())
+
+
+def test_a_token_keyed_ramp_matches_plain_pytorch():
+    """target 16 samples from 4 in steps of 4 over 60 tokens: factors 1, 2, 3, 4 from 0, 20, 40, 60 tokens."""
+    data = make_tokens(48)
+    model = TokenModule()
+    callback = AccumulationScheduler(
+        target_batch_size=16, ramp_start_batch_size=4, ramp_increment=4, ramp_samples=60, unit="token"
+    )
+    reference, windows = token_keyed_reference(data, 4, 2, lambda tokens: 1 + min(tokens // 20, 3))
+    trainer([callback], max_epochs=2).fit(model, DataLoader(DictDataset(data), batch_size=4))
+    assert {1, 2, 3, 4} <= set(windows)  # the ramp ran through every stage
+    assert max_deviation(weights(model), reference) <= TOLERANCE
+
+
+def test_tokens_are_counted_with_count_items_when_normalizing_by_token():
+    data = make_tokens(24)
+    callback = AccumulationScheduler({0: 1, 10: 2}, unit="token", normalize_by="token", count_items=lambda b: 5)
+    trainer([callback], max_epochs=1).fit(TokenModule(), DataLoader(DictDataset(data), batch_size=4))
+    assert callback.features["token_count"].tokens_seen == 5 * 6

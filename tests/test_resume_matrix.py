@@ -1,7 +1,7 @@
 """Every configuration with state resumes exactly: from a checkpoint at a window boundary, and after a SIGKILL.
 
 The configurations (tests/scripts/resume_run.py) cover each kind of state the callback keeps: schedules by epoch,
-step and sample, a ramp, LR scaling with warmup, the noise scale, adaptive growth, token weighting, and all of them
+step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth, token weighting, and all of them
 together. Each resumed run must end within 1e-6 of the uninterrupted run, with the same number of optimizer steps.
 """
 
@@ -97,6 +97,8 @@ def test_the_configurations_change_what_they_should(uninterrupted):
     assert noise.features["noise_scale"].estimate.noise_scale is not None
     for name in ("ramp", "sample_unit", "everything"):
         assert uninterrupted[name][3].samples_seen == EPOCHS * 48
+    for name in ("token_unit", "token_ramp"):
+        assert uninterrupted[name][3].features["token_count"].tokens_seen > 120  # past the last key
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

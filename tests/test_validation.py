@@ -25,7 +25,7 @@ BAD_ARGUMENTS = [
     (
         dict(scheduling={0: 2}, unit="batch"),
         ValueError,
-        r"`unit` must be one of 'epoch', 'step' or 'sample', got 'batch'",
+        r"`unit` must be one of 'epoch', 'step', 'sample' or 'token', got 'batch'",
     ),
     (dict(target_batch_size=0), ValueError, r"`target_batch_size` must be an integer >= 1, got 0"),
     (dict(target_batch_size=-64), ValueError, r"`target_batch_size` must be an integer >= 1, got -64"),

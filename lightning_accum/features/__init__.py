@@ -11,6 +11,16 @@ from lightning_accum.features.lr_scaling import LRScaling
 from lightning_accum.features.metrics import Metrics
 from lightning_accum.features.noise_scale import NoiseScale
 from lightning_accum.features.progress_bar import ProgressBar
+from lightning_accum.features.token_count import TokenCount
 from lightning_accum.features.wide_accumulation import WideAccumulation
 
-__all__ = ["AdaptiveGrowth", "ItemWeighting", "LRScaling", "Metrics", "NoiseScale", "ProgressBar", "WideAccumulation"]
+__all__ = [
+    "AdaptiveGrowth",
+    "ItemWeighting",
+    "LRScaling",
+    "Metrics",
+    "NoiseScale",
+    "ProgressBar",
+    "TokenCount",
+    "WideAccumulation",
+]

@@ -56,6 +56,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         lr_scaling="linear",
     ),
     "token": dict(scheduling={0: 3, 1: 2}, normalize_by="token"),
+    "token_unit": dict(scheduling={0: 1, 30: 3, 120: 2}, unit="token"),
+    "token_ramp": dict(target_batch_size=16, ramp_start_batch_size=4, ramp_increment=4, ramp_samples=90, unit="token"),
     "everything": dict(
         target_batch_size=16,
         ramp_start_batch_size=8,
@@ -74,9 +76,13 @@ class TokenModule(RegressionModule):
         return token_loss(self.net, batch["features"], batch["labels"])
 
 
+def _tokens(name: str) -> bool:
+    return CONFIGS[name].get("normalize_by") == "token" or CONFIGS[name].get("unit") == "token"
+
+
 def make_module(name: str, seed: int = 1) -> pl.LightningModule:
     torch.manual_seed(0)
-    if CONFIGS[name].get("normalize_by") == "token":
+    if _tokens(name):
         module: pl.LightningModule = TokenModule(seed=seed)
     else:
         module = RegressionModule(seed=seed)
@@ -84,7 +90,7 @@ def make_module(name: str, seed: int = 1) -> pl.LightningModule:
 
 
 def make_loader(name: str) -> ResumableLoader:
-    if CONFIGS[name].get("normalize_by") == "token":
+    if _tokens(name):
         data: Any = DictDataset(make_tokens(SAMPLES))
     else:
         data = TensorDataset(*make_data(SAMPLES))

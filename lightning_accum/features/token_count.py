@@ -1,0 +1,98 @@
+"""Token count (``unit="token"``): the loss-bearing tokens consumed by all ranks, the position of a token schedule.
+
+Counts each micro-batch's tokens as ``normalize_by="token"`` does (labels at ``token_key`` that are not
+``ignore_index``, or ``count_items`` when the run normalizes by token), adds them up over the window on the device,
+and sums the window over ranks once per optimizer step (one scalar all-reduce), so every rank holds the same count and
+opens the same windows. The count is checkpointed.
+
+Publishes ``ctx.tokens_seen`` (``FIT_START`` and ``WINDOW_CLOSED``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from lightning_accum.events import Context, Feature
+from lightning_accum.items import check_count, make_counter
+
+
+class TokenCount(Feature):
+    """Count the loss-bearing tokens consumed, over all ranks.
+
+    Args:
+        token_key: Where the labels are: a mapping key or a tuple position.
+        ignore_index: The label value that bears no loss.
+        count_items: ``batch -> int or tensor`` counting a micro-batch's tokens instead.
+
+    Example::
+
+        >>> from lightning_accum.events import Event, Features
+        >>> features, ctx = Features([TokenCount()]), Context()
+        >>> features.dispatch(Event.WINDOW_OPENED, ctx)
+        >>> for labels in ([[1, 2, -100]], [[-100, 3, 4]]):
+        ...     ctx.batch = {"labels": torch.tensor(labels)}
+        ...     features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        >>> features.dispatch(Event.WINDOW_CLOSING, ctx); features.dispatch(Event.WINDOW_CLOSED, ctx)
+        >>> ctx.tokens_seen
+        4
+    """
+
+    name = "token_count"
+
+    def __init__(
+        self, token_key: str | int = "labels", ignore_index: int = -100, count_items: Callable[[Any], Any] | None = None
+    ) -> None:
+        counter = make_counter("token", token_key, ignore_index, count_items)
+        assert counter is not None
+        self._count = counter
+        self._source = "count_items" if count_items is not None else "unit='token'"
+        self.tokens_seen = 0
+        self._window: Any = 0  # this rank's tokens in the window so far (a tensor once counted)
+        self._window_total = 0
+
+    @override
+    def reset(self) -> None:
+        self.tokens_seen = 0
+
+    @override
+    def fit_start(self, ctx: Context) -> None:
+        ctx.tokens_seen = self.tokens_seen
+
+    @override
+    def window_opened(self, ctx: Context) -> None:
+        self._window = 0
+
+    @override
+    def micro_batch_started(self, ctx: Context) -> None:
+        self._window = self._window + check_count(self._count(ctx.batch), ctx.batch_idx, self._source)
+
+    @override
+    def window_closing(self, ctx: Context) -> None:
+        local = self._window
+        device = local.device if isinstance(local, torch.Tensor) else _device(ctx)
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        self._window_total = round(float(ctx.reduce(torch.as_tensor(local, dtype=dtype, device=device), "sum")))
+
+    @override
+    def window_closed(self, ctx: Context) -> None:
+        self.tokens_seen += self._window_total
+        self._window_total = 0
+        ctx.tokens_seen = self.tokens_seen
+        ctx.metrics["accum/tokens_seen"] = float(self.tokens_seen)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens_seen": self.tokens_seen}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens_seen = int(state.get("tokens_seen", 0))
+
+
+def _device(ctx: Context) -> torch.device:
+    parameter = next(iter(ctx.module.parameters()), None) if ctx.module is not None else None
+    return parameter.device if parameter is not None else torch.device("cpu")
