@@ -317,3 +317,33 @@ def test_ddp_spawn_pickles_the_callback_with_every_option_and_manual_accumulatio
         rank0, rank1 = (json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1))
         assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == steps
         assert rank0["weights"] == rank1["weights"]
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_a_token_keyed_schedule_counts_the_tokens_of_both_ranks(backend, request):
+    """{0: 1, 30: 3, 200: 2} by loss-bearing tokens, both ranks together: the windows of the plain-PyTorch loop."""
+    rank0, rank1 = _records(request.getfixturevalue(backend), "token_unit")
+    assert rank0["weights"] == rank1["weights"]
+    schedule = {0: 1, 30: 3, 200: 2}
+    tokens = make_tokens(NUM_SAMPLES)
+    features, labels = tokens["features"], tokens["labels"]
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    seen, windows = 0, []
+    for epoch in range(2):
+        steps = micro_step_indices(epoch)
+        first = 0
+        while first < MICRO_STEPS_PER_EPOCH:
+            size = min(schedule[max(key for key in schedule if key <= seen)], MICRO_STEPS_PER_EPOCH - first)
+            window = steps[first : first + size]
+            optimizer.zero_grad()  # each rank's micro-batch weighs the same: the mean of their token means
+            halves = [index[:MICRO_BATCH] for index in window] + [index[MICRO_BATCH:] for index in window]
+            (sum(token_loss(net, features[h], labels[h]) for h in halves) / len(halves)).backward()
+            optimizer.step()
+            seen += sum(int((labels[index] != -100).sum()) for index in window)
+            windows.append(size)
+            first += size
+    assert len(set(windows)) == 3
+    assert rank0["optimizer_steps"] == len(windows)
+    for name, param in net.named_parameters():
+        assert (torch.tensor(rank0["weights"][name]) - param.detach().flatten()).abs().max().item() <= 1e-5

@@ -226,7 +226,7 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
     )
     model.lr = options.get("lr", LR)
     batch_size = MICRO_BATCH
-    if options.get("normalize_by") == "token":
+    if options.get("normalize_by") == "token" or options.get("tokens"):
         data: Any = DictDataset(make_tokens(NUM_SAMPLES))
     else:
         data = TensorDataset(*make_data(options.get("num_samples", NUM_SAMPLES)))
@@ -301,6 +301,8 @@ CONFIGS = {
     "sample_ragged_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "sample", "num_samples": 60},
     # sequences with 0 to 6 loss-bearing tokens: every micro-batch, on each rank, holds a different number
     "token_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "token"},
+    # a schedule keyed by the loss-bearing tokens of both ranks: the same windows on both
+    "token_unit": {"mode": "ours", "scheduling": {0: 1, 30: 3, 200: 2}, "unit": "token", "tokens": True},
     # the ranks disagree on purpose (each its own data, no DistributedSampler): an error on every rank, or the same
     # training on both
     "disagree_length": {"mode": "ours", "scheduling": {0: 3}, "per_rank": lambda d, r: halves(d, r, (32, 24))},
