@@ -23,6 +23,7 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/noise_scale_to_batch`` | the noise scale over the window's batch, same unit (above 1: a larger batch pays) |
 | ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
   window, all ranks |
+| ``accum/tokens_seen`` | with ``unit="token"``: loss-bearing tokens consumed by all ranks, the schedule's position |
 | ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
 | ``accum/memory_reserved_mb`` | CUDA: memory reserved by the caching allocator |
 | ``accum/memory_peak_mb`` | CUDA: the peak allocated since the last optimizer step |

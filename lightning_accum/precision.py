@@ -2,9 +2,9 @@
 
 With ``bfloat16`` parameters every backward adds its gradient into a ``bfloat16`` ``.grad``, so a window of ``k``
 micro-batches rounds ``k`` times; the error grows with ``k`` (benchmarks/precision.py). A :class:`WideAccumulator`
-moves each micro-batch's gradient into a ``float32`` buffer right after its backward (``.grad`` is zeroed in place,
-so the next backward writes its gradient alone, exactly), and writes the window's mean back into ``.grad`` once,
-rounded to the parameter's dtype, before the optimizer step.
+moves each micro-batch's gradient into a ``float32`` buffer right after its backward (``.grad`` is set to None, so
+the next backward writes its gradient alone, exactly), and writes the window's mean back into ``.grad`` once, rounded
+to the parameter's dtype, before the optimizer step.
 
 Pure (torch only).
 """
@@ -86,6 +86,7 @@ class WideAccumulator:
         self.dtype = dtype
         self._flat: dict[torch.device, torch.Tensor] = {}  # one flat buffer per device: one reduction each
         self.buffers: list[torch.Tensor] = []
+        self._touched = [False] * len(self.params)  # which buffers received a gradient in this window
         for device in dict.fromkeys(p.device for p in self.params):
             on_device = [p for p in self.params if p.device == device]
             self._flat[device] = torch.zeros(sum(p.numel() for p in on_device), dtype=dtype, device=device)
@@ -101,31 +102,48 @@ class WideAccumulator:
         return sum(flat.numel() * flat.element_size() for flat in self._flat.values())
 
     def zero(self) -> None:
-        """Empty the buffers (a new window)."""
-        for flat in self._flat.values():
-            flat.zero_()
+        """Start a new window: the first gradient each buffer receives replaces what it held."""
+        self._touched = [False] * len(self.params)
 
     def add(self) -> None:
-        """Add each parameter's ``.grad`` (one micro-batch's gradient) into its buffer, then zero ``.grad``."""
-        pairs = [(buffer, p.grad) for buffer, p in zip(self.buffers, self.params, strict=True) if p.grad is not None]
-        if not pairs:
-            return
-        buffers, grads = [b for b, _ in pairs], [g for _, g in pairs]
-        torch._foreach_add_(buffers, grads)
-        torch._foreach_zero_(grads)
+        """Move each parameter's ``.grad`` (one micro-batch's gradient) into its buffer, leaving ``.grad`` None.
+
+        The next backward then writes its gradient into a fresh ``.grad`` (autograd takes it over without adding),
+        and no pass zeroes anything: a buffer's first gradient of the window is copied, the later ones are added.
+        """
+        first: list[tuple[torch.Tensor, torch.Tensor]] = []
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, (buffer, param) in enumerate(zip(self.buffers, self.params, strict=True)):
+            if param.grad is None:
+                continue
+            (later if self._touched[index] else first).append((buffer, param.grad))
+            self._touched[index] = True
+        if first:
+            torch._foreach_copy_([b for b, _ in first], [g for _, g in first])
+        if later:
+            torch._foreach_add_([b for b, _ in later], [g for _, g in later])
+        for param in self.params:
+            param.grad = None
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], None], world_size: int) -> None:
-        """Sum the buffers over ranks with ``all_reduce_sum`` (in place, in the wide dtype) and divide by the ranks."""
+        """Sum the buffers over ranks with ``all_reduce_sum`` (in place, in the wide dtype) and divide by the ranks.
+
+        Every rank's buffers take part whole: one that received no gradient in the window is zeroed first.
+        """
+        for buffer, touched in zip(self.buffers, self._touched, strict=True):
+            if not touched:
+                buffer.zero_()
         for flat in self._flat.values():
             all_reduce_sum(flat)
             if world_size > 1:
                 flat.div_(world_size)
+        self._touched = [True] * len(self.params)  # the sums of all ranks: every parameter has its gradient now
 
     def write(self, scale: float) -> None:
-        """Put ``scale x buffer`` into each ``.grad`` that exists, rounded once to the parameter's dtype."""
-        if scale != 1.0:
-            for flat in self._flat.values():
-                flat.mul_(scale)
-        for buffer, param in zip(self.buffers, self.params, strict=True):
-            if param.grad is not None:  # a parameter without a gradient in the window keeps None
-                param.grad.copy_(buffer)
+        """Put ``scale x buffer`` into the ``.grad`` of each parameter that received a gradient, rounded once."""
+        for buffer, param, touched in zip(self.buffers, self.params, self._touched, strict=True):
+            if not touched:  # a parameter without a gradient in the window keeps None
+                continue
+            if scale != 1.0:
+                buffer.mul_(scale)
+            param.grad = buffer.to(param.dtype)

@@ -29,9 +29,10 @@ FEATURES, FACTOR, MICRO_BATCH = 64, 32, 4
 
 def bf16_ulps(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """|value - reference| in units in the last place of the bfloat16 ``reference`` (elementwise)."""
-    reference = reference.float()
-    exponent = torch.floor(torch.log2(reference.abs().clamp(min=torch.finfo(torch.bfloat16).tiny)))
-    return (value.float() - reference).abs() / torch.exp2(exponent - 7)
+    reference, value = reference.float(), value.float()
+    magnitude = torch.maximum(reference.abs(), value.abs()).clamp(min=torch.finfo(torch.bfloat16).tiny)
+    exponent = torch.floor(torch.log2(magnitude))  # at 0, the ulp of the other value
+    return (value - reference).abs() / torch.exp2(exponent - 7)
 
 
 def make_data(samples: int = FACTOR * MICRO_BATCH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +165,7 @@ def test_accepted_spellings():
 def test_the_accumulator_writes_only_gradients_that_exist():
     used, unused = (nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)) for _ in range(2))
     accumulator = WideAccumulator([used, unused], torch.float32)
+    accumulator.zero()
     used.grad = torch.ones(2, dtype=torch.bfloat16)
     accumulator.add()
     accumulator.write(scale=0.5)

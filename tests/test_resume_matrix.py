@@ -1,8 +1,8 @@
 """Every configuration with state resumes exactly: from a checkpoint at a window boundary, and after a SIGKILL.
 
 The configurations (tests/scripts/resume_run.py) cover each kind of state the callback keeps: schedules by epoch,
-step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth, token weighting, and all of them
-together. Each resumed run must end within 1e-6 of the uninterrupted run, with the same number of optimizer steps.
+step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth,
+token weighting, and all of them together. Each resumed run must end within 1e-6 of the uninterrupted run, with the same number of optimizer steps.
 """
 
 from __future__ import annotations
