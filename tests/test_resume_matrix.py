@@ -2,7 +2,8 @@
 
 The configurations (tests/scripts/resume_run.py) cover each kind of state the callback keeps: schedules by epoch,
 step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth,
-token weighting, and all of them together. Each resumed run must end within 1e-6 of the uninterrupted run, with the same number of optimizer steps.
+token weighting, and all of them together. Each resumed run must end within 1e-6 of the uninterrupted run, with the
+same number of optimizer steps.
 """
 
 from __future__ import annotations
