@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+import torch
 import yaml
 
 from lightning_accum.cli import focus_config_error
@@ -72,6 +73,7 @@ CASES = [
 # the same checks in this test's process (a process costs seconds of imports): more strategies and command lines
 MORE_CASES = [
     Case("negative adaptive target", {"adaptive_target": -1}, "adaptive_target", "-1"),
+    Case("grad_accum_dtype typo", {"grad_accum_dtype": "float16"}, "grad_accum_dtype", "float16"),
     # a combination no single type rejects: the constructor's message, without a traceback
     Case("adaptive without noise scale", {"adaptive": True}, "adaptive", "noise_scale=False"),
     Case(
@@ -203,6 +205,23 @@ def test_a_wrong_value_exits_naming_its_key_and_value_in_the_last_lines(tiny_cli
     assert exited.value.code == 2
     captured = capsys.readouterr()
     _check(case, captured.out + captured.err)
+
+
+@pytest.mark.filterwarnings("ignore:(?s).*only one JsonargparseDeprecationWarning per type")
+def test_token_schedules_and_the_accumulation_dtype_come_from_yaml(tiny_cli, tmp_path):
+    config = _config(None)
+    config["trainer"]["callbacks"][0]["init_args"] = {
+        "scheduling": {0: 1, 8: 2},
+        "unit": "token",
+        "token_key": 1,  # the tiny model's (inputs, targets): every target counts
+        "grad_accum_dtype": "float32",
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = tiny_cli.main(["fit", "--config", str(path)])
+    callback = cli.trainer.callbacks[0]
+    assert callback.features["token_count"].tokens_seen == 4 * 4  # fast_dev_run: 4 micro-batches of 4 targets
+    assert callback.features["wide_accumulation"].dtype is torch.float32
 
 
 def test_a_message_it_does_not_recognize_is_kept_as_it_is():
