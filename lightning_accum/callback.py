@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_accum._loop import LoopControl
+from lightning_accum._microbatch import AUTO, MicroBatcher
 from lightning_accum._resume import ResumePoint
 from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
@@ -40,6 +41,7 @@ from lightning_accum.features import (
 from lightning_accum.precision import check_grad_accum_dtype
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, count_optimizer_steps
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+from lightning_accum.sync import fsdp2_modules
 from lightning_accum.window import Window
 
 
@@ -121,7 +123,7 @@ class AccumulationScheduler(Callback):
         ramp_start_batch_size: PositiveInt | None = None,
         ramp_increment: PositiveInt | None = None,
         ramp_samples: PositiveInt | None = None,
-        micro_batch_size: PositiveInt | None = None,
+        micro_batch_size: PositiveInt | Literal["auto"] | None = None,
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         base_batch_size: PositiveInt | None = None,
         lr_warmup_steps: NonNegativeInt = 0,
@@ -160,8 +162,23 @@ class AccumulationScheduler(Callback):
             (Metrics(), check_bool("log_metrics", log_metrics)),
         ]
         self._features = Features(feature for feature, enabled in registry if enabled)
+        auto = micro_batch_size == AUTO
+        if isinstance(micro_batch_size, str) and not auto:
+            raise ValueError(f"`micro_batch_size` must be an integer >= 1, 'auto' or None, got {micro_batch_size!r}")
         self._spec = ScheduleSpec.from_args(
-            scheduling, unit, target_batch_size, ramp_start_batch_size, ramp_increment, ramp_samples, micro_batch_size
+            scheduling,
+            unit,
+            target_batch_size,
+            ramp_start_batch_size,
+            ramp_increment,
+            ramp_samples,
+            None if auto else micro_batch_size,  # type: ignore[arg-type]
+        )
+        # splits loader batches larger than `micro_batch_size` (installed at fit start when a batch is larger)
+        self._batcher = (
+            MicroBatcher(None if auto else micro_batch_size, auto, self._split_hooks())  # type: ignore[arg-type]
+            if micro_batch_size is not None
+            else None
         )
         self._ctx = Context()  # the position, the window and what features publish; handed to every event
         self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
@@ -219,7 +236,10 @@ class AccumulationScheduler(Callback):
             self._features.reset()
         self._features.dispatch(Event.SETUP, ctx)
         self._resume = ResumePoint()
-        self._loop = LoopControl(trainer, lambda: ctx.window.is_first, lambda: ctx.window.closed)
+        # with micro-batching the window's gradients are zeroed before its first loader batch's micro-batches run
+        self._loop = LoopControl(
+            trainer, lambda: ctx.window.is_first and not self._splitting, lambda: ctx.window.closed
+        )
         # what runs the loop before the windows take charge (a tuner, from on_fit_start) accumulates as stock
         # Lightning would with the first window's factor
         self._loop.set_factor(_factor_before_training(trainer, self._spec, ctx.samples_seen))
@@ -231,9 +251,13 @@ class AccumulationScheduler(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         ctx = self._ctx
         # the one place the micro-batch size is decided, the same on every rank, so every rank builds one schedule
-        ctx.micro_batch_size = _agree_across_ranks(
-            trainer, _infer_micro_batch_size(trainer, self._spec.micro_batch_size), self._spec.micro_batch_size
-        )
+        split = _splits(trainer, self._batcher)
+        given = None if split else self._spec.micro_batch_size  # with splitting, the loader's batch is what counts
+        ctx.micro_batch_size = _agree_across_ranks(trainer, _infer_micro_batch_size(trainer, given), given)
+        if split:
+            assert self._batcher is not None
+            _check_splitting(trainer, self._batcher, self._features)
+            self._batcher.install(trainer, pl_module)
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         if self._schedule.max_factor > trainer.num_training_batches:
             rank_zero_warn(
@@ -284,24 +308,38 @@ class AccumulationScheduler(Callback):
         self._resume.in_step = True
         if ctx.window.closed:
             self._resume.window_opened(trainer)
-            ctx.factor = self._scheduled_factor(trainer)
-            self._features.dispatch(Event.WINDOW_OPENING, ctx)
-            # what a window can hold, for the LR and the logs
-            ctx.factor = int(min(ctx.factor, trainer.num_training_batches))
-            # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
-            ctx.window.open(int(min(ctx.factor, trainer.num_training_batches - batch_idx)))
-            loop.set_factor(ctx.window.size)  # the divisor Lightning applies to each loss
-            ctx.summary = []
-            self._features.dispatch(Event.WINDOW_OPENED, ctx)
+            self._open_window(trainer, batch_idx)
         ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
         ctx.batch, ctx.batch_idx = batch, batch_idx
-        self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        if not self._splitting:
+            self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        elif ctx.window.is_first:  # Lightning would zero them after training_step, where the micro-batches run
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+    def _open_window(self, trainer: pl.Trainer, batch_idx: int, closing: bool | None = None) -> None:
+        """Open a window at ``batch_idx``; ``closing`` forces whether this batch ends it (a restart, see below)."""
+        ctx, loop = self._ctx, self._loop
+        assert loop is not None, "_take_charge checked it"
+        ctx.factor = self._scheduled_factor(trainer)
+        self._features.dispatch(Event.WINDOW_OPENING, ctx)
+        # what a window can hold, for the LR and the logs
+        ctx.factor = int(min(ctx.factor, trainer.num_training_batches))
+        # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
+        size = min(ctx.factor, trainer.num_training_batches - batch_idx)
+        if closing is not None:  # Lightning decided before training_step whether this batch steps: keep to it
+            size = 1 if closing else max(2, size)
+        ctx.window.open(int(size))
+        loop.set_factor(ctx.window.size)  # the divisor Lightning applies to each loss
+        ctx.summary = []
+        self._features.dispatch(Event.WINDOW_OPENED, ctx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if not self._in_charge:
             return
-        self._ctx.loss, self._ctx.loss_divisor = loss, float(self._ctx.window.size)
+        share = self._batcher.share if self._splitting else 1.0  # type: ignore[union-attr]
+        self._ctx.loss, self._ctx.loss_divisor = loss, self._ctx.window.size / share
         self._features.dispatch(Event.BEFORE_BACKWARD, self._ctx)
 
     @override
@@ -332,9 +370,16 @@ class AccumulationScheduler(Callback):
         ctx.optimizer_steps = trainer.global_step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         ctx.loss = loss if isinstance(loss, torch.Tensor) else None
+        if self._splitting:  # the loader batch's loss and items, over its micro-batches
+            assert self._batcher is not None
+            batch_loss, ctx.items = self._batcher.report
+            ctx.loss = None if batch_loss is None else batch_loss / ctx.window.size
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         if ctx.window.closed:
             ctx.metrics = {}
+            if self._splitting:
+                assert self._batcher is not None
+                ctx.metrics["accum/micro_batch_size"] = float(self._batcher.size or 0)
             self._features.dispatch(Event.WINDOW_CLOSED, ctx)
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
@@ -366,6 +411,8 @@ class AccumulationScheduler(Callback):
     def _current_state(self) -> dict[str, Any]:
         ctx = self._ctx
         own = {"samples_seen": ctx.samples_seen, "micro_steps": ctx.micro_steps, "window": ctx.window.state_dict()}
+        if self._batcher is not None and self._batcher.auto and self._batcher.size is not None:
+            own["micro_batch_size_found"] = self._batcher.size
         return {**own, **self._features.state_dict()}
 
     @property
@@ -380,6 +427,8 @@ class AccumulationScheduler(Callback):
         self._resume.restored = True
         ctx.samples_seen = int(state.get("samples_seen", 0))
         ctx.micro_steps = int(state.get("micro_steps", 0))
+        if self._batcher is not None and self._batcher.auto and state.get("micro_batch_size_found"):
+            self._batcher.size = int(state["micro_batch_size_found"])  # a resumed run does not search again
         self._features.load_state_dict(state)
         ctx.window.load_state_dict(state.get("window", {}))
         if not ctx.window.closed:
@@ -401,6 +450,77 @@ class AccumulationScheduler(Callback):
             f" ({ctx.samples_seen} samples) for the schedule, while the LR-scaling base and warmup, the noise-scale"
             " estimate and adaptive growth start afresh"
         )
+
+    # ------------------------------------------------------------------ micro-batching: the coordinator's side
+
+    @property
+    def _splitting(self) -> bool:
+        return self._batcher is not None and self._batcher.installed
+
+    def _split_hooks(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "start": self._micro_batch_started,
+            "before_backward": self._micro_batch_backward,
+            "after_backward": lambda: self._features.dispatch(Event.AFTER_BACKWARD, self._ctx),
+            "restart_window": self._restart_window,
+            "any_rank": self._any_rank,
+            "smallest": self._smallest,
+        }
+
+    def _micro_batch_started(self, part: Any, weight: float) -> tuple[Any, float]:
+        """A micro-batch of the loader batch begins; returns its items and its share of the batch's loss."""
+        ctx = self._ctx
+        ctx.batch = part
+        self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        share = weight if ctx.items is None else 1.0  # item weighting weighs micro-batches itself
+        assert self._batcher is not None
+        self._batcher.share = share
+        return ctx.items, share
+
+    def _micro_batch_backward(self, loss: torch.Tensor, share: float) -> torch.Tensor:
+        """What a micro-batch's backward runs on: as Lightning would hand it (divided, weighed, scaled)."""
+        ctx = self._ctx
+        tensor = loss * (share / ctx.window.size)
+        ctx.loss, ctx.loss_divisor = tensor, ctx.window.size / share
+        self._features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
+        return scaler.scale(tensor) if scaler is not None else tensor
+
+    def _restart_window(self) -> None:
+        """Out of memory in ``"auto"``: the window in progress is dropped; this loader batch opens a new one.
+
+        Lightning decided before ``training_step`` whether this batch steps; the new window keeps to it: the batch
+        trains alone if it was to end its window, and opens a window of at least two batches if not.
+        """
+        ctx, trainer = self._ctx, self._ctx.trainer
+        assert self._batcher is not None
+        assert self._batcher.changes
+        old, new = self._batcher.changes[-1]
+        rank_zero_info(
+            f"AccumulationScheduler: out of memory with micro-batches of {old}; training this batch again, as the"
+            f" first of a new window, with micro-batches of {new} (optimizer step {trainer.global_step})"
+        )
+        if isinstance(trainer.strategy, AccumulationStrategyMixin):
+            trainer.strategy.drop_unreduced_gradients()
+        closing = ctx.window.closed
+        ctx.window.discard()
+        batch_idx = trainer.fit_loop.epoch_loop.batch_idx
+        self._open_window(trainer, batch_idx, closing=closing)
+        ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
+
+    def _any_rank(self, flag: bool) -> bool:
+        trainer = self._ctx.trainer
+        if trainer.world_size == 1:
+            return flag
+        local = torch.tensor(float(flag), device=trainer.strategy.root_device)
+        return bool(trainer.strategy.reduce(local, reduce_op="sum").item() > 0)
+
+    def _smallest(self, size: int) -> int:
+        trainer = self._ctx.trainer
+        if trainer.world_size == 1:
+            return size
+        local = torch.tensor(float(size), device=trainer.strategy.root_device)
+        return int(trainer.strategy.reduce(local, reduce_op="min").item())
 
     @property
     def _in_charge(self) -> bool:
@@ -424,6 +544,8 @@ class AccumulationScheduler(Callback):
         if self._loop is not None:
             self._loop.release()
             self._loop = None
+        if self._batcher is not None:
+            self._batcher.release()
         self._ctx.release()
 
 
@@ -455,6 +577,38 @@ def _infer_micro_batch_size(trainer: pl.Trainer, given: int | None) -> int | Non
         return None
     size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def _loader_batch_size(trainer: pl.Trainer) -> int | None:
+    loader = trainer.train_dataloader
+    if not isinstance(loader, DataLoader):
+        return None
+    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _splits(trainer: pl.Trainer, batcher: MicroBatcher | None) -> bool:
+    """Whether this fit splits loader batches: ``"auto"``, or a ``micro_batch_size`` below the loader's batch."""
+    if batcher is None:
+        return False
+    loader_size = _loader_batch_size(trainer)
+    return batcher.auto or (loader_size is not None and batcher.size is not None and batcher.size < loader_size)
+
+
+def _check_splitting(trainer: pl.Trainer, batcher: MicroBatcher, features: Features) -> None:
+    """Refuse what micro-batching cannot do, on every rank alike (the conditions are the same everywhere)."""
+    if batcher.auto and fsdp2_modules(trainer.strategy.model):
+        raise ValueError(
+            "micro_batch_size='auto' cannot retry a batch under FSDP2: a rank out of memory would leave the other ranks"
+            " waiting in a parameter all-gather. Give an integer micro_batch_size (find it with `lightning-accum plan"
+            " --probe`)"
+        )
+    if batcher.auto and trainer.world_size > 1 and "item_weighting" in features:
+        raise ValueError(
+            "micro_batch_size='auto' with normalize_by='sample' or 'token' on several ranks is not supported: the"
+            " weighting's first all-reduce would meet another rank's out-of-memory check. Give an integer"
+            " micro_batch_size, or normalize_by='micro_batch'"
+        )
 
 
 def _accumulation_dtype(value: object) -> tuple[torch.dtype, bool]:

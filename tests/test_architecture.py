@@ -87,7 +87,7 @@ def test_the_package_has_no_import_cycles():
 
 def test_the_coordinator_holds_few_attributes_of_its_own():
     own = set(vars(AccumulationScheduler())) - set(vars(Callback()))
-    assert own == {"_spec", "_features", "_ctx", "_schedule", "_loop", "_resume"}
+    assert own == {"_spec", "_features", "_ctx", "_schedule", "_loop", "_resume", "_batcher"}
 
 
 def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_name():

@@ -347,3 +347,42 @@ def test_a_token_keyed_schedule_counts_the_tokens_of_both_ranks(backend, request
     assert rank0["optimizer_steps"] == len(windows)
     for name, param in net.named_parameters():
         assert (torch.tensor(rank0["weights"][name]) - param.detach().flatten()).abs().max().item() <= 1e-5
+
+
+def _full_epoch_reference(epochs: int = 2) -> dict[str, torch.Tensor]:
+    """One SGD step per epoch on the mean over all 64 samples (each step: both ranks' two loader batches of 16)."""
+    x, y = make_data(NUM_SAMPLES)
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for _ in range(epochs):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        optimizer.step()
+    return {name: param.detach() for name, param in net.named_parameters()}
+
+
+def _deviation(record: dict, reference: dict[str, torch.Tensor]) -> float:
+    return max((torch.tensor(record["weights"][k]) - v.flatten()).abs().max().item() for k, v in reference.items())
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+def test_splitting_loader_batches_on_two_ranks_equals_the_whole_batches(backend, request):
+    rank0, rank1 = _records(request.getfixturevalue(backend), "split_m5")
+    assert rank0["optimizer_steps"] == 2
+    assert rank0["weights"] == rank1["weights"]
+    assert _deviation(rank0, _full_epoch_reference()) <= 1e-5
+
+
+def test_auto_on_two_ranks_where_one_runs_out_of_memory_settles_both_at_the_same_size(ddp):
+    rank0, rank1 = _records(ddp, "auto_oom_rank1")
+    assert "raised" not in rank0, rank0.get("raised")
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 2
+    assert rank0["micro_batch_size_found"] == rank1["micro_batch_size_found"] == 4
+    assert rank0["weights"] == rank1["weights"]
+    assert _deviation(rank0, _full_epoch_reference()) <= 1e-5
+
+
+def test_auto_is_refused_under_fsdp2_on_every_rank(fsdp2):
+    for record in _records(fsdp2, "auto_oom_rank1"):
+        assert "cannot retry a batch under FSDP2" in record["raised"]
+        assert record["optimizer_steps"] == 0

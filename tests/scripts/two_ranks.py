@@ -71,6 +71,7 @@ class Regression(pl.LightningModule):
         self.misuse = misuse
         self.lr = LR
         self.automatic_optimization = manual is None
+        self.oom_above: int | None = None  # rank 1 runs out of memory above this many rows
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
         # returning -1 ends the epoch here, leaving the window in progress unfinished
@@ -92,6 +93,9 @@ class Regression(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        rows = len(batch[0]) if isinstance(batch, (list, tuple)) else None
+        if self.oom_above is not None and int(os.environ.get("LOCAL_RANK", 0)) == 1 and (rows or 0) > self.oom_above:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated on rank 1 for {rows} rows)")
         if self.manual is None:
             return self.loss(batch)
         optimizer = self.optimizers()
@@ -225,7 +229,8 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         shard=backend == "fsdp2", manual=manual, cut_at=options.get("cut_at"), misuse=options.get("misuse", False)
     )
     model.lr = options.get("lr", LR)
-    batch_size = MICRO_BATCH
+    model.oom_above = options.get("oom_above")
+    batch_size = options.get("batch_size", MICRO_BATCH)
     if options.get("normalize_by") == "token" or options.get("tokens"):
         data: Any = DictDataset(make_tokens(NUM_SAMPLES))
     else:
@@ -249,6 +254,8 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         record["noise_scale"] = features["noise_scale"].estimate.noise_scale
     if "adaptive" in features:
         record["adaptive_factor"] = features["adaptive"].factor
+    if scheduler is not None and "micro_batch_size_found" in scheduler.state_dict():
+        record["micro_batch_size_found"] = scheduler.state_dict()["micro_batch_size_found"]
     if backend == "ddp":
         record["allreduce_buckets"] = list(ALLREDUCE_BUCKETS)
     else:
@@ -301,6 +308,16 @@ CONFIGS = {
     "sample_ragged_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "sample", "num_samples": 60},
     # sequences with 0 to 6 loss-bearing tokens: every micro-batch, on each rank, holds a different number
     "token_k3": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "token"},
+    # loader batches of 16 split into micro-batches of 5 (5 5 5 1); and found automatically when rank 1 alone runs
+    # out of memory above 5 rows: both ranks settle at 4
+    "split_m5": {"mode": "ours", "scheduling": {0: 2}, "micro_batch_size": 5, "batch_size": 16},
+    "auto_oom_rank1": {
+        "mode": "ours",
+        "scheduling": {0: 2},
+        "micro_batch_size": "auto",
+        "batch_size": 16,
+        "oom_above": 5,
+    },
     # a schedule keyed by the loss-bearing tokens of both ranks: the same windows on both
     "token_unit": {"mode": "ours", "scheduling": {0: 1, 30: 3, 200: 2}, "unit": "token", "tokens": True},
     # the ranks disagree on purpose (each its own data, no DistributedSampler): an error on every rank, or the same

@@ -1,0 +1,209 @@
+"""micro_batch_size=m splits each loader batch; "auto" finds the size that fits after out-of-memory errors.
+
+The reference is plain PyTorch on the whole loader batches: one SGD step per window on the mean of its batches'
+losses (or on the mean over every sample or token of the window). The out-of-memory error is the real
+``torch.OutOfMemoryError``, raised by a module above a number of rows, as CUDA's allocator raises it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_accum import AccumulationScheduler
+from lightning_accum.split import batch_rows, is_out_of_memory, split_batch
+from tests.helpers import (
+    LR,
+    DictDataset,
+    RegressionModule,
+    loader,
+    make_data,
+    make_net,
+    make_tokens,
+    max_deviation,
+    reference_weights,
+    token_loss,
+    trainer,
+    weights,
+)
+from tests.test_normalization import TokenModule, sample_reference, token_reference
+
+TOLERANCE = 1e-6
+
+
+class DictModule(RegressionModule):
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(batch["x"]), batch["y"])
+
+
+class TensorModule(RegressionModule):
+    """The batch is one tensor: the first 5 columns are the input, the last the target."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(batch[:, :5]), batch[:, 5:])
+
+
+class OutOfMemoryAbove(RegressionModule):
+    """Raises torch.OutOfMemoryError in forward for more than ``limit`` rows, as the CUDA allocator would."""
+
+    def __init__(self, limit: int = 5, seed: int = 1) -> None:
+        super().__init__(seed=seed)
+        self.limit, self.raised = limit, 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if len(batch[0]) > self.limit:
+            self.raised += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(batch[0])} rows")
+        return super().training_step(batch, batch_idx)
+
+
+def test_split_batch_handles_tensors_tuples_dicts_and_dataclasses():
+    @dataclass
+    class Batch:
+        x: torch.Tensor
+        meta: str
+
+    parts = split_batch({"a": (torch.arange(7), Batch(torch.arange(7) * 2, "m"))}, 3)
+    assert [batch_rows(p) for p in parts] == [3, 3, 1]
+    assert parts[2]["a"][1].x.tolist() == [12]
+    assert parts[1]["a"][1].meta == "m"
+    with pytest.raises(TypeError, match="cannot split a batch of type str"):
+        split_batch("text", 2)
+    with pytest.raises(ValueError, match="disagree on the first dimension"):
+        split_batch((torch.zeros(4), torch.zeros(3)), 2)
+    assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate"))
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict", "tensor"])
+@pytest.mark.parametrize("micro", [4, 5])  # dividing the loader batch of 16, and not (5, 5, 5, 1)
+def test_splitting_equals_the_step_on_the_whole_batch(kind, micro):
+    x, y = make_data(64)
+    if kind == "tuple":
+        model, data = RegressionModule(), loader(x, y, 16)
+    elif kind == "dict":
+        model, data = DictModule(), DataLoader(DictDataset({"x": x, "y": y, "labels": y}), batch_size=16)
+    else:
+        model, data = TensorModule(), DataLoader(torch.cat([x, y], dim=1), batch_size=16)
+    fit = trainer([AccumulationScheduler({0: 2}, micro_batch_size=micro)], max_epochs=2)
+    fit.fit(model, data)
+    assert fit.global_step == 4
+    assert max_deviation(weights(model), reference_weights(x, y, 16, [[2, 2], [2, 2]])) <= TOLERANCE
+
+
+def test_splitting_with_sample_weighting_and_a_short_last_batch():
+    x, y = make_data(60)  # loader batches 16 16 16 12, micro-batches of 5: 5 5 5 1 | ... | 5 5 2
+    model = RegressionModule()
+    callback = AccumulationScheduler({0: 2}, normalize_by="sample", micro_batch_size=5)
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 16))
+    assert max_deviation(weights(model), sample_reference(x, y, 16, [[2, 2]])) <= TOLERANCE
+
+
+def test_splitting_with_token_weighting():
+    data = make_tokens(48)
+    model = TokenModule()
+    callback = AccumulationScheduler({0: 2}, normalize_by="token", micro_batch_size=3)
+    trainer([callback], max_epochs=1).fit(model, DataLoader(DictDataset(data), batch_size=8))
+    assert max_deviation(weights(model), token_reference(data, 8, [2, 2, 2])) <= TOLERANCE
+
+
+def test_a_micro_batch_size_the_loader_batch_already_meets_splits_nothing():
+    x, y = make_data(32)
+    model = RegressionModule()
+    callback = AccumulationScheduler({0: 2}, micro_batch_size=8)
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 8))
+    assert max_deviation(weights(model), reference_weights(x, y, 8, [[2, 2]])) <= TOLERANCE
+    assert "training_step" not in vars(model)
+
+
+def test_auto_halves_on_out_of_memory_settles_at_four_trains_exactly_and_logs_it(tmp_path):
+    x, y = make_data(64)
+    model = OutOfMemoryAbove(limit=5)
+    callback = AccumulationScheduler({0: 2}, micro_batch_size="auto")
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    fit = trainer([callback], max_epochs=2, logger=logger, log_every_n_steps=1)
+    fit.fit(model, loader(x, y, 16))
+    assert model.raised == 2  # 16 and 8 rows ran out of memory; 4 fits
+    assert callback.state_dict()["micro_batch_size_found"] == 4
+    assert fit.global_step == 4
+    assert max_deviation(weights(model), reference_weights(x, y, 16, [[2, 2], [2, 2]])) <= TOLERANCE
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    column = rows[0].split(",").index("accum/micro_batch_size")
+    assert {row.split(",")[column] for row in rows[1:] if row.split(",")[column]} == {"4.0"}
+    assert "training_step" not in vars(model)  # the shadow is gone after the fit
+
+
+def test_auto_keeps_the_size_it_found_across_a_resume(tmp_path):
+    x, y = make_data(64)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    first = trainer(
+        [AccumulationScheduler({0: 2}, micro_batch_size="auto"), checkpoint], max_epochs=1, enable_checkpointing=True
+    )
+    first.fit(OutOfMemoryAbove(limit=5), loader(x, y, 16))
+    resumed = OutOfMemoryAbove(limit=5, seed=99)
+    callback = AccumulationScheduler({0: 2}, micro_batch_size="auto")
+    trainer([callback], max_epochs=2).fit(resumed, loader(x, y, 16), ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert resumed.raised == 0  # no search again
+    assert max_deviation(weights(resumed), reference_weights(x, y, 16, [[2, 2], [2, 2]])) <= TOLERANCE
+
+
+def test_auto_in_the_middle_of_a_window_drops_the_window_and_opens_one_at_the_failing_batch():
+    """An out-of-memory error at the second loader batch of a window of 2: the first batch's gradients are dropped.
+
+    Lightning decided before training_step that batch 1 steps, so it trains alone; batches 2-3 form the next window.
+    """
+
+    class GrowsAtBatch1(OutOfMemoryAbove):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.limit = 16 if batch_idx == 0 and self.raised == 0 else 5
+            return super().training_step(batch, batch_idx)
+
+    x, y = make_data(64)
+    model = GrowsAtBatch1()
+    fit = trainer([AccumulationScheduler({0: 2}, micro_batch_size="auto")], max_epochs=1)
+    fit.fit(model, loader(x, y, 16))
+    # batch 0 trained at 16 and was dropped; batch 1 then steps alone, and batches 2-3 form the next window
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    for window in ([1], [2, 3]):
+        optimizer.zero_grad()
+        loss = sum(nn.functional.mse_loss(net(x[16 * b : 16 * b + 16]), y[16 * b : 16 * b + 16]) for b in window)
+        (loss / len(window)).backward()
+        optimizer.step()
+    assert fit.global_step == 2
+    assert max_deviation(weights(model), [p.detach() for p in net.parameters()]) <= TOLERANCE
+
+
+def test_auto_at_one_sample_raises_a_clear_error():
+    x, y = make_data(16)
+    model = OutOfMemoryAbove(limit=0)
+    before = weights(model)
+    with pytest.raises(RuntimeError, match="a micro-batch of one sample does not fit in memory"):
+        trainer([AccumulationScheduler({0: 2}, micro_batch_size="auto")], max_epochs=1).fit(model, loader(x, y, 4))
+    assert max_deviation(weights(model), before) == 0.0
+
+
+def test_a_bad_micro_batch_size_names_itself():
+    with pytest.raises(ValueError, match=r"`micro_batch_size` must be an integer >= 1, 'auto' or None, got 'max'"):
+        AccumulationScheduler(micro_batch_size="max")
+
+
+def test_a_token_loss_split_by_rows():
+    """Under micro_batch normalization rows weigh micro-batches: a token-mean loss is then the mean of row means."""
+    data = make_tokens(16)
+    model = TokenModule()
+    trainer([AccumulationScheduler({0: 1}, micro_batch_size=8)], max_epochs=1).fit(
+        model, DataLoader(DictDataset(data), batch_size=16)
+    )
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+    halves = (slice(0, 8), slice(8, 16))
+    (sum(token_loss(net, data["features"][h], data["labels"][h]) for h in halves) / 2).backward()
+    optimizer.step()
+    assert max_deviation(weights(model), [p.detach() for p in net.parameters()]) <= TOLERANCE
