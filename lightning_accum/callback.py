@@ -10,6 +10,7 @@ window plus each feature's state under the feature's name.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -68,7 +69,10 @@ class AccumulationScheduler(Callback):
         ramp_increment: How much the global batch grows at each stage of the ramp.
         ramp_samples: Samples (all ranks together; tokens with ``unit="token"``) over which the ramp reaches
             ``target_batch_size``.
-        micro_batch_size: Samples per micro-batch on one rank; by default rank zero's train dataloader
+        micro_batch_size: Below the train dataloader's ``batch_size``: split each loader batch into micro-batches of
+            this many rows, each with its own forward and backward (the factor still counts loader batches).
+            ``"auto"``: start at the loader's batch and halve on out-of-memory errors, every rank alike
+            (docs/microbatching.md). Otherwise: the samples a rank's micro-batch counts, by default the loader's
             ``batch_size``.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR used is the configured one times
             ``effective / base`` or its square root, inside ``optimizer.step()`` only
@@ -597,6 +601,11 @@ def _splits(trainer: pl.Trainer, batcher: MicroBatcher | None) -> bool:
 
 def _check_splitting(trainer: pl.Trainer, batcher: MicroBatcher, features: Features) -> None:
     """Refuse what micro-batching cannot do, on every rank alike (the conditions are the same everywhere)."""
+    if "dataloader_iter" in inspect.signature(trainer.lightning_module.training_step).parameters:
+        raise ValueError(
+            "micro_batch_size splits the batch handed to `training_step`, but `training_step(self, dataloader_iter)`"
+            " fetches its own: use `training_step(self, batch, batch_idx)` or no micro_batch_size"
+        )
     if batcher.auto and fsdp2_modules(trainer.strategy.model):
         raise ValueError(
             "micro_batch_size='auto' cannot retry a batch under FSDP2: a rank out of memory would leave the other ranks"
