@@ -207,3 +207,15 @@ def test_a_token_loss_split_by_rows():
     (sum(token_loss(net, data["features"][h], data["labels"][h]) for h in halves) / 2).backward()
     optimizer.step()
     assert max_deviation(weights(model), [p.detach() for p in net.parameters()]) <= TOLERANCE
+
+
+def test_the_features_see_each_micro_batch_as_a_micro_step():
+    x, y = make_data(64)
+    model = RegressionModule()
+    callback = AccumulationScheduler(
+        {0: 2}, micro_batch_size=5, normalize_by="sample", noise_scale=True, grad_accum_dtype="float32"
+    )
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 16))
+    assert max_deviation(weights(model), sample_reference(x, y, 16, [[2, 2]])) <= TOLERANCE
+    assert callback.features["noise_scale"].estimate.noise_scale is not None  # from micro-batches of 5, 5, 5, 1
+    assert callback.samples_seen == 64
