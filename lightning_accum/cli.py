@@ -216,8 +216,9 @@ def focus_config_error(message: str) -> str:
 
     In a ``Does not validate against any of the Union subtypes`` block, the ``Expected a <class 'NoneType'>``
     alternative is dropped and, if an alternative starts with ``Problem with given class_path``, only the first
-    such one is kept; when one alternative is left, the block becomes that alternative (with the given value when
-    the alternative is a one-line message that does not show it). Anything else is kept as it is.
+    such one is kept (else, if one says the value ``does not conform to restriction``, only that one); when one
+    alternative is left, the block becomes that alternative (with the given value when the alternative is a one-line
+    message that does not show it). Anything else is kept as it is.
 
     Example::
 
@@ -289,6 +290,9 @@ def _focus_union(block: list[_Node]) -> list[_Node]:
     named = [alt for alt in alternatives if alt.text.startswith("- Problem with given class_path")]
     if named:
         alternatives = named[:1]
+    restricted = [alt for alt in alternatives if "does not conform to restriction" in alt.text]
+    if restricted:  # the value had the right type and a wrong value: that is the alternative meant
+        alternatives = restricted[:1]
     if len(alternatives) != 1 or not alternatives[0].text.startswith("- "):
         return [block[0], *(_Node(node.text, _focus(node.children)) for node in block[1:])]
     (alternative,) = alternatives
@@ -296,7 +300,7 @@ def _focus_union(block: list[_Node]) -> list[_Node]:
     given = parts.get("Given value:")
     if given is not None and not alternative.children:
         value = given.text[len("Given value:") :].strip()
-        if value not in text:
+        if not re.search(rf"(?<![\w.]){re.escape(value)}(?![\w.])", text) or "restriction" in text:
             text = f"{text}. Got value: {value}"
     return [_Node(text, _focus(alternative.children))]
 
