@@ -67,7 +67,7 @@ class WideAccumulator:
     """A wide buffer per parameter: add each micro-batch's ``.grad`` into it, write the window's mean back once.
 
     Args:
-        params: The trainable parameters to accumulate for (those narrower than ``dtype``).
+        params: The trainable parameters to accumulate for.
         dtype: The accumulation dtype.
 
     Example::
@@ -84,12 +84,17 @@ class WideAccumulator:
     def __init__(self, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
         self.params = list(params)
         self.dtype = dtype
-        self._flat: dict[torch.device, torch.Tensor] = {}  # one flat buffer per device: one reduction each
+        # one flat buffer per device, one reduction each: the parameters' buffers, then one flag per parameter (did
+        # it receive a gradient in the window), so that a reduction also tells which parameters no rank touched
+        self._flat: dict[torch.device, torch.Tensor] = {}
+        self._flags: dict[torch.device, torch.Tensor] = {}
         self.buffers: list[torch.Tensor] = []
         self._touched = [False] * len(self.params)  # which buffers received a gradient in this window
         for device in dict.fromkeys(p.device for p in self.params):
             on_device = [p for p in self.params if p.device == device]
-            self._flat[device] = torch.zeros(sum(p.numel() for p in on_device), dtype=dtype, device=device)
+            numel = sum(p.numel() for p in on_device)
+            self._flat[device] = torch.zeros(numel + len(on_device), dtype=dtype, device=device)
+            self._flags[device] = self._flat[device][numel:]
         offsets = dict.fromkeys(self._flat, 0)
         for param in self.params:
             start = offsets[param.device]
@@ -118,26 +123,30 @@ class WideAccumulator:
                 continue
             (later if self._touched[index] else first).append((buffer, param.grad))
             self._touched[index] = True
+            param.grad = None
         if first:
             torch._foreach_copy_([b for b, _ in first], [g for _, g in first])
         if later:
             torch._foreach_add_([b for b, _ in later], [g for _, g in later])
-        for param in self.params:
-            param.grad = None
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], None], world_size: int) -> None:
         """Sum the buffers over ranks with ``all_reduce_sum`` (in place, in the wide dtype) and divide by the ranks.
 
-        Every rank's buffers take part whole: one that received no gradient in the window is zeroed first.
+        Every rank's buffers take part whole (one that received no gradient in the window is zeroed first); a
+        parameter that no rank touched keeps no gradient.
         """
-        for buffer, touched in zip(self.buffers, self._touched, strict=True):
-            if not touched:
-                buffer.zero_()
-        for flat in self._flat.values():
-            all_reduce_sum(flat)
+        for device in self._flat:
+            on_device = [i for i, p in enumerate(self.params) if p.device == device]
+            for index in on_device:
+                if not self._touched[index]:
+                    self.buffers[index].zero_()
+            self._flags[device].copy_(torch.tensor([float(self._touched[i]) for i in on_device]))
+            all_reduce_sum(self._flat[device])
             if world_size > 1:
-                flat.div_(world_size)
-        self._touched = [True] * len(self.params)  # the sums of all ranks: every parameter has its gradient now
+                self._flat[device][: -len(on_device) or None].div_(world_size)
+            touched = self._flags[device].tolist()
+            for slot, index in enumerate(on_device):
+                self._touched[index] = touched[slot] > 0
 
     def write(self, scale: float) -> None:
         """Put ``scale x buffer`` into the ``.grad`` of each parameter that received a gradient, rounded once."""

@@ -91,7 +91,9 @@ class RecordingSGD(torch.optim.SGD):
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
-        self.seen.extend(p.grad.detach().clone() for group in self.param_groups for p in group["params"])
+        self.seen.extend(
+            None if p.grad is None else p.grad.detach().clone() for group in self.param_groups for p in group["params"]
+        )
         super().step()
         return loss
 
@@ -133,6 +135,44 @@ def test_the_summary_names_the_accumulation_dtype_and_its_memory(caplog):
     assert "gradients accumulated in float32 (+0.0 MiB)" in caplog.text  # 64 x 65 parameters x 4 bytes
 
 
+class MixedModule(pl.LightningModule):
+    """A bfloat16 body and a float32 head (32-true): only the body is narrower than float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.body = nn.Linear(FEATURES, FEATURES).to(torch.bfloat16)
+        self.head = nn.Linear(FEATURES, 1)
+        self.seen: list[torch.Tensor] = []
+        self.after_backward_grads: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.head(self.body(x.bfloat16()).float()), y[:, :1])
+
+    def on_after_backward(self) -> None:
+        self.after_backward_grads.append(all(p.grad is not None for p in self.parameters()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return RecordingSGD(self.parameters(), lr=0.1, seen=self.seen)
+
+
+def test_float32_parameters_beside_bfloat16_ones_get_the_windows_normalized_mean():
+    """normalize_by="sample": the head (float32, accumulated in .grad) is scaled as the body (float32 buffers)."""
+    x, y = make_data(16)
+    module = MixedModule()
+    reference = MixedModule()
+    callback = AccumulationScheduler({0: 4}, normalize_by="sample", grad_accum_dtype="float32")
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH)
+    trainer([callback], max_steps=1).fit(module, data)
+    reference.zero_grad()
+    reference.training_step((x, y), 0).backward()  # one batch of 16: the mean over every sample
+    head_weight, head_bias = module.seen[2], module.seen[3]
+    assert torch.allclose(head_weight, reference.head.weight.grad, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(head_bias, reference.head.bias.grad, rtol=1e-5, atol=1e-7)
+    assert all(module.after_backward_grads)  # on_after_backward sees each micro-batch's gradient, never None
+
+
 def test_float32_parameters_allocate_nothing():
     """bf16-mixed and 16-mixed keep float32 parameters and gradients: nothing to widen."""
     accumulator_params = [p for p in make_net().parameters() if narrower(p.dtype, torch.float32)]
@@ -171,7 +211,7 @@ def test_the_accumulator_writes_only_gradients_that_exist():
     accumulator.write(scale=0.5)
     assert used.grad.tolist() == [0.5, 0.5]
     assert unused.grad is None
-    assert accumulator.nbytes == 16
+    assert accumulator.nbytes == 16 + 8  # two buffers of 2 float32 values, and a flag each
 
 
 # ------------------------------------------------------------------ two processes (tests/scripts/precision_ranks.py)
@@ -259,3 +299,22 @@ def test_a_strategy_that_cannot_accumulate_wide_is_refused_on_every_rank(two_ran
     for record in _records(two_ranks, name):
         assert re.search(message, record["raised"])
         assert record["grads"] == []  # refused before any step
+
+
+def test_two_ranks_reduce_float32_parameters_beside_bfloat16_ones(two_ranks):
+    """DDP's own reduction is off for the window: the float32 head goes through the float32 sums too."""
+    rank0, rank1 = _records(two_ranks, "ddp_mixed_float32")
+    assert "raised" not in rank0, rank0.get("raised")
+    assert rank0["grads"] == rank1["grads"]
+    assert rank0["dtypes"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32"]
+
+
+def test_two_ranks_leave_a_parameter_no_rank_used_without_a_gradient(two_ranks):
+    rank0, rank1 = _records(two_ranks, "ddp_unused_float32")
+    assert rank0["grads"][2:] == rank1["grads"][2:] == [None, None]  # the unused layer's weight and bias
+    assert rank0["grads"][:2] == rank1["grads"][:2]
+
+
+def test_two_ranks_refuse_a_static_graph_with_float32_sums(two_ranks):
+    for record in _records(two_ranks, "ddp_static_float32"):
+        assert "static_graph=True" in record["raised"]

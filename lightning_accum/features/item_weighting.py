@@ -168,5 +168,15 @@ class ItemWeighting(Feature):
         )
 
     @override
+    def state_dict(self) -> dict[str, Any]:
+        # the scale the losses are put on: a resumed run keeps it, so its weighted losses round as before
+        return {} if self._per_micro_batch is None else {"per_micro_batch": self._per_micro_batch}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("per_micro_batch") is not None:
+            self._per_micro_batch = float(state["per_micro_batch"])
+
+    @override
     def window_closed(self, ctx: Context) -> None:
         ctx.metrics[f"accum/window_{self.normalize_by}s"] = ctx.window_items or 0.0

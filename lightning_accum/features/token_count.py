@@ -10,6 +10,7 @@ Publishes ``ctx.tokens_seen`` (``FIT_START`` and ``WINDOW_CLOSED``).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,14 @@ class TokenCount(Feature):
     @override
     def reset(self) -> None:
         self.tokens_seen = 0
+
+    @override
+    def setup(self, ctx: Context) -> None:
+        if ctx.module is not None and "dataloader_iter" in inspect.signature(ctx.module.training_step).parameters:
+            raise ValueError(
+                "unit='token' counts each micro-batch's tokens, but `training_step(self, dataloader_iter)` hides the"
+                " batch from callbacks: use `training_step(self, batch, batch_idx)`, or another unit"
+            )
 
     @override
     def fit_start(self, ctx: Context) -> None:

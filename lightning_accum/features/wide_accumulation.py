@@ -3,15 +3,18 @@
 Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-true``, FSDP2 with a bfloat16
 ``param_dtype``), this feature makes the window's gradient the correctly rounded mean of its micro-batch gradients:
 
-- one device: each micro-batch's gradient is added into a float32 buffer after its backward
-  (:class:`~lightning_accum.precision.WideAccumulator`), and the window's mean is written back once before the step;
-- DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same, with DDP's own reduction off for the whole
-  window and the float32 sums all-reduced once per window (float32 communication: twice the bytes of bfloat16);
+- one device: each micro-batch's gradient is moved into a float32 buffer before the next backward
+  (:class:`~lightning_accum.precision.WideAccumulator`; ``on_after_backward`` hooks see the micro-batch's own
+  gradient), and the window's mean is written back once before the step; parameters that are float32 already
+  accumulate in ``.grad`` as usual;
+- DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same for every trainable parameter, with DDP's own
+  reduction off for the whole window and the float32 sums all-reduced once per window (float32 communication: twice
+  the bytes of bfloat16);
 - FSDP2 (``fully_shard``): the units' reduce dtype is widened, so FSDP2 itself keeps the unreduced gradients of
   ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once.
 
-Consumes ``ctx.gradient_scale`` at ``WINDOW_CLOSING`` (it is applied in float32, before the one rounding) where the
-buffers are its own.
+Consumes ``ctx.gradient_scale`` at ``WINDOW_CLOSING`` where it accumulates: the scale is applied in float32 before
+the one rounding, and to the gradients of the parameters it does not hold.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ class WideAccumulation(Feature):
         >>> ctx = Context(module=net, window=Window(size=3, taken=0, closed=False))
         >>> features.dispatch(Event.FIT_START, ctx); features.dispatch(Event.WINDOW_OPENED, ctx)
         >>> for value in (1.0, 2.0**-8, 2.0**-8):
-        ...     net.weight.grad = torch.full((1, 2), value, dtype=torch.bfloat16)
-        ...     features.dispatch(Event.AFTER_BACKWARD, ctx)
+        ...     features.dispatch(Event.BEFORE_BACKWARD, ctx)  # the previous micro-batch's gradient moves out
+        ...     net.weight.grad = torch.full((1, 2), value, dtype=torch.bfloat16)  # this one's backward
         >>> features.dispatch(Event.WINDOW_CLOSING, ctx); net.weight.grad.float().tolist()
         [[1.0078125, 1.0078125]]
     """
@@ -68,7 +71,7 @@ class WideAccumulation(Feature):
         self._release()
         strategy = getattr(ctx.trainer, "strategy", None)
         model = getattr(strategy, "model", None)
-        narrow = [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
+        narrow = self._narrow(ctx)
         name = _name(self.dtype)
         try:
             if fsdp2_modules(model):
@@ -84,8 +87,16 @@ class WideAccumulation(Feature):
                 raise
             rank_zero_warn(f"AccumulationScheduler: gradients are accumulated in {narrow[0].dtype}: {error}")
             return
-        self._accumulator = WideAccumulator(narrow, self.dtype)
+        self._accumulator = self._build(ctx)
         ctx.summary.append(f"gradients accumulated in {name} (+{self._accumulator.nbytes / 2**20:.1f} MiB)")
+
+    def _narrow(self, ctx: Context) -> list[torch.Tensor]:
+        return [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
+
+    def _build(self, ctx: Context) -> WideAccumulator:
+        # under DDP every trainable parameter: DDP's own reduction is off for the window, so all go through here
+        covered = [p for p in ctx.module.parameters() if p.requires_grad] if self._all_reduce else self._narrow(ctx)
+        return WideAccumulator(covered, self.dtype)
 
     def _fsdp2(self, strategy: Any, model: Any, narrow: list[torch.Tensor]) -> None:
         policy = strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else "every"
@@ -102,17 +113,23 @@ class WideAccumulation(Feature):
     def _take_over_ddp(self, strategy: Any, model: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
+        name = _name(self.dtype)
         if not isinstance(model, DistributedDataParallel):  # FSDP1
             raise ValueError(
-                f"grad_accum_dtype={_name(self.dtype)!r} is not supported with FSDP1 ({type(strategy).__name__}): use"
-                " FSDP2 (ModelParallelAccumulationStrategy) or grad_accum_dtype=None"
+                f"grad_accum_dtype={name!r} is not supported with FSDP1 ({type(strategy).__name__}): use FSDP2"
+                " (ModelParallelAccumulationStrategy) or grad_accum_dtype=None"
             )
         if not isinstance(strategy, AccumulationStrategyMixin):
             raise ValueError(
-                f"grad_accum_dtype={_name(self.dtype)!r} under {type(strategy).__name__}: DDP would all-reduce only"
-                " each window's last micro-batch gradient, in the parameters' dtype. Use"
-                " lightning_accum.DDPAccumulationStrategy (it all-reduces the float32 sums once per window), or set"
-                " grad_accum_dtype=None"
+                f"grad_accum_dtype={name!r} under {type(strategy).__name__}: DDP would all-reduce only each window's"
+                " last micro-batch gradient, in the parameters' dtype. Use lightning_accum.DDPAccumulationStrategy"
+                " (it all-reduces the float32 sums once per window), or set grad_accum_dtype=None"
+            )
+        if getattr(model, "static_graph", False):
+            raise ValueError(
+                f"grad_accum_dtype={name!r} with DDP(static_graph=True): the float32 sums are all-reduced by the"
+                " callback, so DDP's own reduction is off for whole windows, which a static graph does not allow."
+                " Set static_graph=False, or grad_accum_dtype=None"
             )
         group = model.process_group
         self._all_reduce = lambda tensor: torch.distributed.all_reduce(tensor, group=group)
@@ -120,6 +137,10 @@ class WideAccumulation(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
+        if self._accumulator is not None and {id(p) for p in self._build(ctx).params} != {
+            id(p) for p in self._accumulator.params
+        }:
+            self._accumulator = self._build(ctx)  # parameters were frozen or unfrozen (a backbone fine-tuning)
         self._active = self._accumulator is not None and ctx.window.size > 1  # one micro-batch rounds once anyway
         if self._strategy is not None:
             self._strategy.reduce_gradients_elsewhere(self._active)
@@ -128,7 +149,9 @@ class WideAccumulation(Feature):
             self._accumulator.zero()
 
     @override
-    def after_backward(self, ctx: Context) -> None:
+    def before_backward(self, ctx: Context) -> None:
+        # the previous micro-batch's gradient moves into the buffers now, not right after its backward: every
+        # on_after_backward hook (the LightningModule's, other callbacks') sees the micro-batch's own gradient
         if self._active:
             assert self._accumulator is not None
             self._accumulator.add()
@@ -137,10 +160,22 @@ class WideAccumulation(Feature):
     def window_closing(self, ctx: Context) -> None:
         if not self._active:
             return
-        assert self._accumulator is not None
+        accumulator = self._accumulator
+        assert accumulator is not None
+        accumulator.add()  # the window's last micro-batch
         if self._all_reduce is not None:
-            self._accumulator.reduce(self._all_reduce, ctx.world_size)
-        self._accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
+            accumulator.reduce(self._all_reduce, ctx.world_size)
+        accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
+        if ctx.gradient_scale != 1.0 and ctx.optimizer is not None:  # parameters accumulated in place, as usual
+            covered = {id(p) for p in accumulator.params}
+            rest = [
+                p.grad
+                for group in ctx.optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None and id(p) not in covered
+            ]
+            if rest:
+                torch._foreach_mul_(rest, ctx.gradient_scale)
         ctx.gradient_scale = 1.0
 
     @override

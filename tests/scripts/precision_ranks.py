@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_accum import (  # noqa: E402
@@ -27,13 +28,16 @@ from lightning_accum import (  # noqa: E402
     DDPAccumulationStrategy,
     ModelParallelAccumulationStrategy,
 )
-from tests.test_precision import FACTOR, MICRO_BATCH, RecordingSGD, loss, make_data, make_net  # noqa: E402
+from tests.test_precision import FACTOR, FEATURES, MICRO_BATCH, RecordingSGD, loss, make_data, make_net  # noqa: E402
 
 
 class Module(pl.LightningModule):
-    def __init__(self, shard: dict[str, Any] | None) -> None:
+    def __init__(self, shard: dict[str, Any] | None, head: bool = False, unused: bool = False) -> None:
         super().__init__()
         self.net = make_net()
+        # a float32 head on a bfloat16 net (32-true), and a layer no rank uses
+        self.head = nn.Linear(FEATURES, 1) if head else None
+        self.unused = nn.Linear(2, 2) if unused else None
         self.shard = shard
         self.seen: list[torch.Tensor] = []
 
@@ -46,6 +50,8 @@ class Module(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
+        if self.head is not None:
+            return nn.functional.mse_loss(self.head(self.net(x.bfloat16()).float()), y[:, :1])
         return loss(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -69,13 +75,18 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any] | None, str | None]] = {
     "fsdp2_every_none": ("every", "32-true", BF16, None),
     "fsdp2_last_mixed_float32": ("last", "32-true", BF16, "float32"),
     "fsdp2_last_mixed_none": ("last", "32-true", BF16, None),
+    "ddp_mixed_float32": ("ddp", "32-true", None, "float32"),  # every parameter goes through the float32 sums
+    "ddp_unused_float32": ("ddp", "bf16-true", None, "float32"),  # a parameter no rank uses keeps no gradient
+    "ddp_static_float32": ("ddp", "bf16-true", None, "float32"),  # refused: DDP(static_graph=True)
 }
 
 
 def run(name: str, out: Path) -> None:
     kind, precision, shard, grad_accum_dtype = CONFIGS[name]
     if kind == "ddp":
-        strategy: Any = DDPAccumulationStrategy()
+        strategy: Any = DDPAccumulationStrategy(
+            find_unused_parameters=name == "ddp_unused_float32", static_graph=name == "ddp_static_float32"
+        )
     elif kind == "ddp_stock":
         strategy = DDPStrategy()
     else:
@@ -97,15 +108,19 @@ def run(name: str, out: Path) -> None:
     x, y = make_data(2 * FACTOR * MICRO_BATCH)
     half = slice(rank * FACTOR * MICRO_BATCH, (rank + 1) * FACTOR * MICRO_BATCH)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[half], y[half]), batch_size=MICRO_BATCH)
-    module = Module(None if kind.startswith("ddp") else shard)
+    module = Module(
+        None if kind.startswith("ddp") else shard, head=name == "ddp_mixed_float32", unused="unused" in name
+    )
+    if name == "ddp_mixed_float32":
+        module.net.to(torch.bfloat16)
     record: dict[str, Any] = {}
     try:
         trainer.fit(module, data)
     except ValueError as error:  # the same check fails on every rank
         record["raised"] = str(error)
     full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in module.seen]
-    record["grads"] = [g.float().flatten().tolist() for g in full]
-    record["dtypes"] = [str(g.dtype) for g in full]
+    record["grads"] = [None if g is None else g.float().flatten().tolist() for g in full]
+    record["dtypes"] = [None if g is None else str(g.dtype) for g in full]
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
