@@ -1,10 +1,11 @@
 """The gradient noise scale (``noise_scale=True``), measured from the micro-batch gradients accumulation computes.
 
-One hook per trainable parameter adds the squared norm of each micro-batch's gradient as backward produces it (no
-gradient is copied); once the window's gradient is its mean, its squared norm joins the micro-batch ones in the
-estimator of :mod:`lightning_accum.noise`. The hooked gradient is that of the loss Lightning backpropagates, so each
-micro-batch's sum is unscaled by ``ctx.loss_divisor`` (kept on the device: no host synchronisation per micro-step)
-and the AMP loss scale, constant over a window, is taken out once per step.
+One hook per trainable parameter collects each micro-batch's gradient as backward produces it, and every ``FLUSH``
+gradients their squared norms are taken in one fused ``torch._foreach_norm`` (no gradient is copied; at most
+``FLUSH`` are held a little longer than backward would); once the window's gradient is its mean, its squared norm
+joins the micro-batch ones in the estimator of :mod:`lightning_accum.noise`. The hooked gradient is that of the loss
+Lightning backpropagates, so each micro-batch's sum is unscaled by ``ctx.loss_divisor`` (kept on the device: no host
+synchronisation per micro-step) and the AMP loss scale, constant over a window, is taken out once per step.
 
 Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them; publishes ``ctx.noise_scale`` and
 ``ctx.noise_batch`` at ``GRADIENT_READY``.
@@ -21,6 +22,8 @@ from typing_extensions import override
 from lightning_accum.events import Context, Feature
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
+
+FLUSH = 64  # gradients whose squared norms are taken together
 
 
 class NoiseScale(Feature):
@@ -66,6 +69,7 @@ class NoiseScale(Feature):
         self._micro_unscale: float | torch.Tensor = 1.0  # turns the hooked gradient into the micro-batch mean's
         self._small_sqs: list[torch.Tensor] = []  # this window's micro-batch gradients' squared norms
         self._small_items: list[Any] = []
+        self._pending: list[torch.Tensor] = []  # gradients of the micro-batch in progress, not yet in _micro_sq
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
@@ -89,6 +93,7 @@ class NoiseScale(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         self._small_sqs, self._small_items, self._micro_sq = [], [], None  # nothing of a dropped window survives
+        self._pending = []
         self._params = []  # S_big is measured on exactly the parameters whose micro-batch gradients are hooked
         for param in ctx.module.parameters():  # hook parameters that became trainable (an unfrozen backbone)
             if param.requires_grad and id(param) not in self._hooks:
@@ -113,12 +118,22 @@ class NoiseScale(Feature):
 
     def _add_micro_sq(self, grad: torch.Tensor) -> None:
         if self._micro_sq is not None:
-            with torch.no_grad():
-                flat = grad.detach().reshape(-1)
-                self._micro_sq += torch.dot(flat, flat).float()  # one fused pass, no temporary
+            self._pending.append(grad)
+            if len(self._pending) >= FLUSH:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Add the squared norms of the gradients collected so far, in one fused kernel per device and dtype."""
+        pending, self._pending = self._pending, []
+        if not pending or self._micro_sq is None:
+            return
+        with torch.no_grad():
+            norms = torch._foreach_norm([g.detach() for g in pending])
+            self._micro_sq += torch.stack([n.float().to(self._micro_sq.device) for n in norms]).square().sum()
 
     @override
     def after_backward(self, ctx: Context) -> None:
+        self._flush()
         if self._micro_sq is not None:
             self._small_sqs.append(self._micro_sq * self._micro_unscale**2)
             self._small_items.append(self._micro_items)
@@ -168,7 +183,7 @@ class NoiseScale(Feature):
         for hook in self._hooks.values():
             hook.remove()
         self._hooks, self._params, self._small_sqs, self._small_items = {}, [], [], []
-        self._micro_sq = None
+        self._micro_sq, self._pending = None, []
 
     @override
     def state_dict(self) -> dict[str, Any]:
