@@ -93,11 +93,15 @@ def test_tensorboard_gets_the_dashboard_and_the_summary(tmp_path):
 
 
 def test_any_logger_receives_the_metrics(tmp_path):
-    x, y = make_data(16)
+    x, y = make_data(48)
     logger = CSVLogger(tmp_path, name="csv", version=0)
-    trainer([AccumulationScheduler({0: 2})], max_epochs=1, logger=logger).fit(RegressionModule(), loader(x, y, 4))
-    header = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    fit = trainer([AccumulationScheduler({0: 2})], max_epochs=1, logger=logger, log_every_n_steps=2)
+    fit.fit(RegressionModule(), loader(x, y, 4))
+    rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
     assert {"accum/factor", "accum/window_loss", "accum/lr"} <= set(header)
+    steps = [row.split(",")[header.index("step")] for row in rows[1:] if row.split(",")[header.index("accum/factor")]]
+    assert steps == ["2", "4", "6"]  # every `log_every_n_steps` optimizer steps, as Lightning logs
 
 
 def test_accum_lr_is_the_lr_each_step_really_used(tmp_path):

@@ -113,13 +113,14 @@ class ItemWeighting(Feature):
             self._per_micro_batch = max(float(ctx.reduce(first, "mean")), 1.0)
         # Lightning divided the loss by the window's size; make it items / (typical items) instead, in place: the
         # tensor handed to this hook is the fresh quotient that backward runs on
-        weight = torch.as_tensor(items, dtype=loss.dtype, device=loss.device) * (
-            ctx.window.size / self._per_micro_batch
-        )
-        loss.mul_(weight)
-        # a micro-batch without items has a zero gradient: any positive divisor serves
-        counted = torch.as_tensor(items, dtype=torch.float32, device=loss.device)
-        ctx.loss_divisor = self._per_micro_batch / counted.clamp(min=1.0)
+        if isinstance(items, torch.Tensor):  # counted on the device: stay there
+            weight = items.to(loss.dtype) * (ctx.window.size / self._per_micro_batch)
+            loss.mul_(weight)
+            # a micro-batch without items has a zero gradient: any positive divisor serves
+            ctx.loss_divisor = self._per_micro_batch / items.float().clamp(min=1.0)
+        else:  # a host number: no copy to the device
+            loss.mul_(items * ctx.window.size / self._per_micro_batch)
+            ctx.loss_divisor = self._per_micro_batch / max(items, 1.0)
         self._window_items = self._window_items + items
         self._backwards += 1
         self._device = loss.device

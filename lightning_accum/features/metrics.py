@@ -84,6 +84,9 @@ class Metrics(Feature):
         loggers = getattr(ctx.trainer, "loggers", [])
         if not ctx.is_global_zero or not loggers:
             return
+        every = max(1, int(getattr(ctx.trainer, "log_every_n_steps", 1) or 1))
+        if ctx.optimizer_steps % every:  # as Lightning's own logging: every `log_every_n_steps` optimizer steps
+            return
         record = StepRecord(
             factor=ctx.factor,
             micro_steps_in_window=ctx.window.taken,
