@@ -66,7 +66,8 @@ class MicroBatcher:
         self._trainer: Any = None
         self.changes: list[tuple[int, int]] = []  # (old size, new size), for the summary
         self.share = 1.0  # the share of the loader batch's loss the micro-batch in progress carries
-        self.report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's loss and items
+        self.anchored = False  # the loss handed to Lightning is the anchor: its backward is no micro-batch's
+        self.report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's mean loss and its items
 
     def install(self, trainer: Any, module: Any) -> None:
         """Shadow ``module.training_step`` for this fit."""
@@ -116,9 +117,7 @@ class MicroBatcher:
         assert self.size is not None
         for param in self._module.parameters():
             param.grad = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.report = (None, None)
         if self.size <= 1:
             raise RuntimeError(
                 "micro_batch_size='auto': a micro-batch of one sample does not fit in memory; reduce the model, the"
@@ -126,7 +125,10 @@ class MicroBatcher:
             )
         old, self.size = self.size, self._hooks["smallest"](max(1, self.size // 2))
         self.changes.append((old, self.size))
-        self._hooks["restart_window"]()
+        self._hooks["restart_window"]()  # drops what the coordinator held of the failed attempt (its loss too)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _split(self, batch: Any, rows: int | None, args: Any, kwargs: Any, anchor: bool) -> Any:
         assert self.size is not None
@@ -150,18 +152,21 @@ class MicroBatcher:
                 report_loss = weighted if report_loss is None else report_loss + weighted
                 report_items = items if report_items is None else report_items + items
             if last and not anchor:
-                self.report = (report_loss, report_items)
-                return _with_loss(output, loss * share)  # Lightning divides it by the window's size, then backward
+                self.report = _mean(report_loss, report_items), report_items
+                returned = loss * share  # Lightning divides it by the window's size, then runs its backward
+                return _with_loss(output, _shown_as(returned, self.report[0]))
             with self._no_sync():
                 tensor = self._hooks["before_backward"](loss, share)
                 tensor.backward()
                 self._hooks["after_backward"]()
-        self.report = (report_loss, report_items)
+        self.report = _mean(report_loss, report_items), report_items
         if not anchor:
             return output
-        params = [p for p in self._module.parameters() if p.requires_grad]
-        zero = sum((p * 0).sum() for p in params) if params else None
-        return _with_loss(output, zero)
+        # the parameters that received a gradient (one no micro-batch used keeps None, as in plain PyTorch)
+        params = [p for p in self._module.parameters() if p.requires_grad and p.grad is not None]
+        zero = sum((p * 0).sum() for p in params) if params else torch.zeros((), requires_grad=True)
+        self.anchored = True
+        return _with_loss(output, _shown_as(zero, self.report[0]))
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
@@ -174,6 +179,23 @@ class MicroBatcher:
                 yield
         else:
             yield
+
+
+def _mean(loss: torch.Tensor | None, items: Any) -> torch.Tensor | None:
+    """The loader batch's loss: the rows-weighted sum as it is, an items-weighted sum over its items."""
+    if loss is None or items is None:
+        return loss
+    return loss / torch.as_tensor(items, dtype=loss.dtype, device=loss.device).clamp(min=1)
+
+
+def _shown_as(loss: Any, value: torch.Tensor | None) -> Any:
+    """``loss`` with the gradient of ``loss`` and the value ``value``.
+
+    The value is the loader batch's loss, for what Lightning shows of the step's loss (outputs, progress bar).
+    """
+    if value is None or not isinstance(loss, torch.Tensor):
+        return loss
+    return loss + (value.to(loss.dtype) - loss.detach())
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

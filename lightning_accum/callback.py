@@ -262,6 +262,7 @@ class AccumulationScheduler(Callback):
             assert self._batcher is not None
             _check_splitting(trainer, self._batcher, self._features)
             self._batcher.install(trainer, pl_module)
+        ctx.splitting = split
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         if self._schedule.max_factor > trainer.num_training_batches:
             rank_zero_warn(
@@ -342,12 +343,17 @@ class AccumulationScheduler(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if not self._in_charge:
             return
+        if self._splitting and self._batcher.anchored:  # type: ignore[union-attr]
+            return  # the anchor's backward adds zeros: no micro-batch's
         share = self._batcher.share if self._splitting else 1.0  # type: ignore[union-attr]
         self._ctx.loss, self._ctx.loss_divisor = loss, self._ctx.window.size / share
         self._features.dispatch(Event.BEFORE_BACKWARD, self._ctx)
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._splitting and self._batcher.anchored:  # type: ignore[union-attr]
+            self._batcher.anchored = False  # type: ignore[union-attr]
+            return
         if self._in_charge:
             self._features.dispatch(Event.AFTER_BACKWARD, self._ctx)
 
@@ -401,7 +407,10 @@ class AccumulationScheduler(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._rewinding:  # inside a window: the state from before it, which the checkpoint resumes from
             assert self._resume.callback_state is not None
-            return copy.deepcopy(self._resume.callback_state)
+            state = copy.deepcopy(self._resume.callback_state)
+            if "micro_batch_size_found" in (current := self._current_state()):
+                state["micro_batch_size_found"] = current["micro_batch_size_found"]  # a size found stays found
+            return state
         return self._current_state()
 
     @override
@@ -465,7 +474,7 @@ class AccumulationScheduler(Callback):
         return {
             "start": self._micro_batch_started,
             "before_backward": self._micro_batch_backward,
-            "after_backward": lambda: self._features.dispatch(Event.AFTER_BACKWARD, self._ctx),
+            "after_backward": self._micro_batch_after_backward,
             "restart_window": self._restart_window,
             "any_rank": self._any_rank,
             "smallest": self._smallest,
@@ -490,6 +499,9 @@ class AccumulationScheduler(Callback):
         scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
         return scaler.scale(tensor) if scaler is not None else tensor
 
+    def _micro_batch_after_backward(self) -> None:
+        self._features.dispatch(Event.AFTER_BACKWARD, self._ctx)
+
     def _restart_window(self) -> None:
         """Out of memory in ``"auto"``: the window in progress is dropped; this loader batch opens a new one.
 
@@ -507,6 +519,7 @@ class AccumulationScheduler(Callback):
         if isinstance(trainer.strategy, AccumulationStrategyMixin):
             trainer.strategy.drop_unreduced_gradients()
         closing = ctx.window.closed
+        ctx.loss = ctx.batch = None  # the failed attempt's graph and batch: nothing may keep them alive
         ctx.window.discard()
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         self._open_window(trainer, batch_idx, closing=closing)

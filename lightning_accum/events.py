@@ -78,6 +78,8 @@ class Context:
         is_global_zero: Whether this is rank zero.
         micro_batch_size: Samples per micro-batch on one rank, the same on every rank (rank zero's, broadcast), or
             ``None`` when unknown.
+        splitting: Whether each loader batch is split into micro-batches (``micro_batch_size`` below the loader's):
+            then a window of one loader batch still runs several backwards. Set at ``FIT_START``.
         reduce: ``reduce(tensor, "sum" | "mean")`` over ranks (the strategy's).
         broadcast: ``broadcast(obj)`` from rank zero to every rank (the strategy's).
         module: The LightningModule (any ``nn.Module`` in a test).
@@ -116,6 +118,7 @@ class Context:
     world_size: int = 1
     is_global_zero: bool = True
     micro_batch_size: int | None = None
+    splitting: bool = False
     reduce: Callable[[torch.Tensor, str], torch.Tensor] = _local_reduce
     broadcast: Callable[[Any], Any] = _local_broadcast
     module: Any = None

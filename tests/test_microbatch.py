@@ -219,3 +219,54 @@ def test_the_features_see_each_micro_batch_as_a_micro_step():
     assert max_deviation(weights(model), sample_reference(x, y, 16, [[2, 2]])) <= TOLERANCE
     assert callback.features["noise_scale"].estimate.noise_scale is not None  # from micro-batches of 5, 5, 5, 1
     assert callback.samples_seen == 64
+
+
+def test_auto_with_sample_weighting_on_one_process_is_exact():
+    """The anchor's backward is no micro-batch's: the weighting counts each micro-batch once."""
+    x, y = make_data(60)
+    model = OutOfMemoryAbove(limit=5)
+    callback = AccumulationScheduler({0: 2}, normalize_by="sample", micro_batch_size="auto")
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 16))
+    assert max_deviation(weights(model), sample_reference(x, y, 16, [[2, 2]])) <= TOLERANCE
+
+
+def test_a_parameter_no_micro_batch_used_keeps_no_gradient_under_auto():
+    class WithUnusedHead(OutOfMemoryAbove):
+        def __init__(self) -> None:
+            super().__init__(limit=5)
+            self.unused = nn.Linear(5, 1)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1, weight_decay=0.1)
+
+    x, y = make_data(32)
+    model = WithUnusedHead()
+    before = [p.detach().clone() for p in model.unused.parameters()]
+    trainer([AccumulationScheduler({0: 2}, micro_batch_size="auto")], max_epochs=1).fit(model, loader(x, y, 16))
+    assert max_deviation([p.detach() for p in model.unused.parameters()], before) == 0.0  # no decay: no gradient
+
+
+def test_lightning_sees_the_loader_batchs_loss_in_its_outputs():
+    seen: dict[str, list[float]] = {}
+
+    class Outputs(RegressionModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.setdefault(self.mode, []).append(float(outputs["loss"]))
+
+    x, y = make_data(32)
+    for mode in (None, 5, "auto"):
+        model = Outputs()
+        model.mode = str(mode)
+        trainer([AccumulationScheduler({0: 1}, micro_batch_size=mode)], max_epochs=1).fit(model, loader(x, y, 16))
+    assert seen["5"] == pytest.approx(seen["None"], rel=1e-6)
+    assert seen["auto"] == pytest.approx(seen["None"], rel=1e-6)
+
+
+def test_the_callback_with_micro_batching_pickles():
+    import pickle
+
+    for size in (4, "auto"):
+        callback = AccumulationScheduler({0: 2}, micro_batch_size=size)
+        x, y = make_data(32)
+        trainer([callback], max_epochs=1).fit(RegressionModule(), loader(x, y, 16))
+        assert pickle.loads(pickle.dumps(callback)).state_dict() == callback.state_dict()

@@ -318,3 +318,14 @@ def test_two_ranks_leave_a_parameter_no_rank_used_without_a_gradient(two_ranks):
 def test_two_ranks_refuse_a_static_graph_with_float32_sums(two_ranks):
     for record in _records(two_ranks, "ddp_static_float32"):
         assert "static_graph=True" in record["raised"]
+
+
+def test_a_split_loader_batch_is_accumulated_in_float32_too():
+    """Factor 1, loader batches of 32 split into 8 micro-batches of 4: a window of one batch, eight backwards."""
+    x, y = make_data(8 * MICRO_BATCH)
+    module = Module()
+    callback = AccumulationScheduler({0: 1}, micro_batch_size=MICRO_BATCH, grad_accum_dtype="float32")
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8 * MICRO_BATCH)
+    trainer([callback], max_steps=1, precision="bf16-true").fit(module, data)
+    reference = reference_gradients(x, y, factor=8)
+    assert max(bf16_ulps(g, r).max().item() for g, r in zip(module.seen, reference, strict=True)) <= 1.0

@@ -141,7 +141,8 @@ class WideAccumulation(Feature):
             id(p) for p in self._accumulator.params
         }:
             self._accumulator = self._build(ctx)  # parameters were frozen or unfrozen (a backbone fine-tuning)
-        self._active = self._accumulator is not None and ctx.window.size > 1  # one micro-batch rounds once anyway
+        # one backward rounds once anyway (a window of one loader batch that is not split)
+        self._active = self._accumulator is not None and (ctx.window.size > 1 or ctx.splitting)
         if self._strategy is not None:
             self._strategy.reduce_gradients_elsewhere(self._active)
         if self._active:
