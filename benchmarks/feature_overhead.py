@@ -1,0 +1,217 @@
+"""The callback's own cost: each feature against stock Lightning and a raw PyTorch loop, side by side in one run.
+
+    python benchmarks/feature_overhead.py          # three tables, writes feature_overhead.json
+
+1. Fixed overhead, on a tiny model where it dominates (Linear(32, 32), micro-batch 8, factor 4, 100 optimizer steps,
+   a CSVLogger with Lightning's default ``log_every_n_steps``): stock ``Trainer(accumulate_grad_batches=4)``, the
+   callback with nothing on, with its logging, with sample weighting, with LR scaling, with the noise scale, and with
+   all of them; and a raw PyTorch loop. Every configuration runs once per round, in rotated order, for ``--rounds``
+   rounds; each ratio is taken round by round against the round's stock run (the noise scale against the callback
+   with nothing on) and its median reported with its range.
+2. The noise scale against the number of parameter tensors (16 to 2048 tensors of a stack of Linear(4, 4)): the
+   extra time per micro-step, per tensor.
+3. The compute-bound MLP of the other benchmarks (4 x Linear(1024, 1024), micro-batch 64): logging against stock,
+   the noise scale on against off.
+
+Times are of the training loop only (``on_train_start`` to ``on_train_end``), per micro-step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_accum
+from lightning_accum import AccumulationScheduler
+
+FACTOR = 4
+
+
+class Timer(pl.Callback):
+    """Wall time of the training loop alone."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+class Model(pl.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+
+def tiny() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(32, 32)
+
+
+def stack(tensors: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(tensors // 2)))
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(1024, 1024), nn.GELU()) for _ in range(4)))
+
+
+def loader(width: int, micro_batch: int, steps: int) -> DataLoader:
+    data = torch.randn(micro_batch * FACTOR * steps, width, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(data), batch_size=micro_batch)
+
+
+def lightning_seconds(net: Callable[[], nn.Module], data: DataLoader, options: dict[str, Any] | None) -> float:
+    """Seconds per micro-step: stock accumulation when ``options`` is None, else the callback with them."""
+    timer = Timer()
+    callbacks: list[pl.Callback] = [timer]
+    extra: dict[str, Any] = {"accumulate_grad_batches": FACTOR}
+    if options is not None:
+        callbacks.insert(0, AccumulationScheduler({0: FACTOR}, **options))
+        extra = {}
+    with tempfile.TemporaryDirectory() as logs:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            logger=CSVLogger(logs),
+            callbacks=callbacks,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **extra,
+        )
+        trainer.fit(Model(net()), data)
+    return timer.seconds / len(data)
+
+
+def raw_seconds(net: Callable[[], nn.Module], data: DataLoader) -> float:
+    """A raw PyTorch loop with the same accumulation, per micro-step."""
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    start = time.perf_counter()
+    for index, (x,) in enumerate(data):
+        (model(x).pow(2).mean() / FACTOR).backward()
+        if (index + 1) % FACTOR == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return (time.perf_counter() - start) / len(data)
+
+
+def rounds(measures: dict[str, Callable[[], float]], count: int) -> dict[str, list[float]]:
+    """Each measure once per round, in an order rotated every round, after one warm-up of each."""
+    names = list(measures)
+    for name in names:
+        measures[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(count):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(measures[name]())
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
+    ratios = [a / b for a, b in zip(times[name], times[baseline], strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    results: dict[str, Any] = {"version": lightning_accum.__version__, "torch_threads": torch.get_num_threads()}
+
+    data = loader(32, 8, 100)
+    configs: dict[str, dict[str, Any] | None] = {
+        "stock": None,
+        "nothing on": {"log_metrics": False},
+        "logging": {},
+        "sample weighting": {"log_metrics": False, "normalize_by": "sample"},
+        "lr scaling": {"log_metrics": False, "lr_scaling": "linear"},
+        "noise scale": {"log_metrics": False, "noise_scale": True},
+        "all": {"normalize_by": "sample", "lr_scaling": "linear", "noise_scale": True},
+    }
+    measures: dict[str, Callable[[], float]] = {
+        name: (lambda options=options: lightning_seconds(tiny, data, options)) for name, options in configs.items()
+    }
+    measures["raw PyTorch"] = lambda: raw_seconds(tiny, data)
+    times = rounds(measures, args.rounds)
+    tiny_rows = []
+    print("| tiny model | ms/micro-step | ratio to stock (median) | range | ratio to raw PyTorch |")
+    print("| --- | ---: | ---: | --- | ---: |")
+    for name in measures:
+        baseline = "nothing on" if name == "noise scale" else "stock"
+        versus = ratio(times, name, baseline)
+        raw = ratio(times, name, "raw PyTorch")["median"]
+        label = f"{versus['median']:.3f}" + (" (to nothing on)" if baseline != "stock" else "")
+        print(
+            f"| {name} | {statistics.median(times[name]) * 1e3:.3f} | {label} |"
+            f" {versus['min']:.3f} to {versus['max']:.3f} | {raw:.2f} |"
+        )
+        tiny_rows.append({"name": name, "ms": statistics.median(times[name]) * 1e3, "ratio": versus, "to_raw": raw})
+    results["tiny"] = tiny_rows
+
+    print("\n| parameter tensors | noise scale off (ms/micro-step) | on | extra per tensor per micro-step |")
+    print("| ---: | ---: | ---: | ---: |")
+    per_tensor = []
+    for tensors in (16, 128, 512, 2048):
+        stack_data = loader(4, 8, 10)
+        net = lambda tensors=tensors: stack(tensors)  # noqa: E731
+        pair = rounds(
+            {
+                "off": lambda: lightning_seconds(net, stack_data, {"log_metrics": False}),
+                "on": lambda: lightning_seconds(net, stack_data, {"log_metrics": False, "noise_scale": True}),
+            },
+            max(3, args.rounds // 2),
+        )
+        off, on = statistics.median(pair["off"]), statistics.median(pair["on"])
+        extra_us = max(0.0, on - off) / tensors * 1e6
+        print(f"| {tensors} | {off * 1e3:.2f} | {on * 1e3:.2f} | {extra_us:.2f} us |")
+        per_tensor.append({"tensors": tensors, "off_ms": off * 1e3, "on_ms": on * 1e3, "us_per_tensor": extra_us})
+    results["noise_per_tensor"] = per_tensor
+
+    big = loader(1024, 64, 8)
+    times = rounds(
+        {
+            "stock": lambda: lightning_seconds(mlp, big, None),
+            "logging": lambda: lightning_seconds(mlp, big, {}),
+            "nothing on": lambda: lightning_seconds(mlp, big, {"log_metrics": False}),
+            "noise scale": lambda: lightning_seconds(mlp, big, {"log_metrics": False, "noise_scale": True}),
+        },
+        args.rounds,
+    )
+    logging, noise = ratio(times, "logging", "stock"), ratio(times, "noise scale", "nothing on")
+    print("\n| compute-bound MLP | ratio (median) | range |")
+    print("| --- | ---: | --- |")
+    print(f"| all logging / stock | {logging['median']:.3f} | {logging['min']:.3f} to {logging['max']:.3f} |")
+    print(f"| noise scale on / off | {noise['median']:.3f} | {noise['min']:.3f} to {noise['max']:.3f} |")
+    results["compute_bound"] = {"logging": logging, "noise": noise}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "feature_overhead.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
