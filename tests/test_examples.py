@@ -67,7 +67,9 @@ def test_every_example_config_sets_the_callback_by_class_path():
 
 def test_the_ramp_config_trains_with_the_ramp_and_sqrt_scaling(train_lm, tmp_path):
     args = ["fit", f"--config={CONFIGS[0].parent / 'lm_ramp.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
-    cli = train_lm.main([*args, *SMALL, "--trainer.max_steps=3", "--trainer.val_check_interval=4"])
+    cli = train_lm.main(
+        [*args, *SMALL, "--trainer.max_steps=3", "--trainer.val_check_interval=4", "--trainer.log_every_n_steps=1"]
+    )
     callback = _callback(cli)
     assert cli.trainer.global_step == 3
     assert callback.factor == 2  # the ramp starts at 16 samples = micro-batch 8 x 2
