@@ -1,11 +1,12 @@
 """The gradient noise scale (``noise_scale=True``), measured from the micro-batch gradients accumulation computes.
 
-One hook per trainable parameter collects each micro-batch's gradient as backward produces it, and every ``FLUSH``
-gradients their squared norms are taken in one fused ``torch._foreach_norm`` (no gradient is copied; at most
-``FLUSH`` are held a little longer than backward would); once the window's gradient is its mean, its squared norm
-joins the micro-batch ones in the estimator of :mod:`lightning_accum.noise`. The hooked gradient is that of the loss
-Lightning backpropagates, so each micro-batch's sum is unscaled by ``ctx.loss_divisor`` (kept on the device: no host
-synchronisation per micro-step) and the AMP loss scale, constant over a window, is taken out once per step.
+One hook per trainable parameter takes each micro-batch's gradient as backward produces it: a large one's squared
+norm at once (one dot), small ones every ``FLUSH`` together in one fused ``torch._foreach_norm`` (no gradient is
+copied; at most ``FLUSH`` small ones are held a little longer than backward would). Once the window's gradient is
+its mean, its squared norm joins the micro-batch ones in the estimator of :mod:`lightning_accum.noise`. The hooked
+gradient is that of the loss Lightning backpropagates, so each micro-batch's sum is unscaled by
+``ctx.loss_divisor`` (kept on the device: no host synchronisation per micro-step) and the AMP loss scale, constant
+over a window, is taken out once per step.
 
 Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them; publishes ``ctx.noise_scale`` and
 ``ctx.noise_batch`` at ``GRADIENT_READY``.
@@ -23,7 +24,8 @@ from lightning_accum.events import Context, Feature
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
 
-FLUSH = 64  # gradients whose squared norms are taken together
+FLUSH = 64  # small gradients whose squared norms are taken together, in one fused kernel
+LARGE = 1 << 16  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
 
 
 class NoiseScale(Feature):
@@ -117,10 +119,16 @@ class NoiseScale(Feature):
         self._micro_unscale = ctx.loss_divisor
 
     def _add_micro_sq(self, grad: torch.Tensor) -> None:
-        if self._micro_sq is not None:
-            self._pending.append(grad)
-            if len(self._pending) >= FLUSH:
-                self._flush()
+        if self._micro_sq is None:
+            return
+        if grad.numel() >= LARGE:  # a large gradient: its own fused dot now, without holding it
+            with torch.no_grad():
+                flat = grad.detach().reshape(-1)
+                self._micro_sq += torch.dot(flat, flat).float()
+            return
+        self._pending.append(grad)
+        if len(self._pending) >= FLUSH:
+            self._flush()
 
     def _flush(self) -> None:
         """Add the squared norms of the gradients collected so far, in one fused kernel per device and dtype."""
