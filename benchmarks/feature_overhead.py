@@ -119,6 +119,19 @@ def raw_seconds(net: Callable[[], nn.Module], data: DataLoader) -> float:
     return (time.perf_counter() - start) / len(data)
 
 
+def noise_pair(tensors: int) -> dict[str, Callable[[], float]]:
+    """The stack of ``tensors`` parameter tensors, trained with the noise scale off and on."""
+    data = loader(4, 8, 10)
+
+    def net() -> nn.Module:
+        return stack(tensors)
+
+    return {
+        "off": lambda: lightning_seconds(net, data, {"log_metrics": False}),
+        "on": lambda: lightning_seconds(net, data, {"log_metrics": False, "noise_scale": True}),
+    }
+
+
 def rounds(measures: dict[str, Callable[[], float]], count: int) -> dict[str, list[float]]:
     """Each measure once per round, in an order rotated every round, after one warm-up of each."""
     names = list(measures)
@@ -178,15 +191,7 @@ def main() -> None:
     print("| ---: | ---: | ---: | ---: |")
     per_tensor = []
     for tensors in (16, 128, 512, 2048):
-        stack_data = loader(4, 8, 10)
-        net = lambda tensors=tensors: stack(tensors)  # noqa: E731
-        pair = rounds(
-            {
-                "off": lambda: lightning_seconds(net, stack_data, {"log_metrics": False}),
-                "on": lambda: lightning_seconds(net, stack_data, {"log_metrics": False, "noise_scale": True}),
-            },
-            max(3, args.rounds // 2),
-        )
+        pair = rounds(noise_pair(tensors), max(3, args.rounds // 2))
         off, on = statistics.median(pair["off"]), statistics.median(pair["on"])
         extra_us = max(0.0, on - off) / tensors * 1e6
         print(f"| {tensors} | {off * 1e3:.2f} | {on * 1e3:.2f} | {extra_us:.2f} us |")
