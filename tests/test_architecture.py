@@ -29,7 +29,20 @@ from lightning_accum.features import (
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accum"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
-PURE = ["schedule", "window", "scaling", "items", "noise", "adaptive", "events", "monitor", "sync", "plan", "precision"]
+PURE = [
+    "schedule",
+    "window",
+    "scaling",
+    "items",
+    "noise",
+    "adaptive",
+    "events",
+    "monitor",
+    "sync",
+    "plan",
+    "precision",
+    "split",
+]
 
 
 def module_name(path: Path) -> str:
