@@ -94,6 +94,7 @@ class MicroBatcher:
     # ------------------------------------------------------------------ one loader batch
 
     def _training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        self.anchored = False  # set again when this batch hands Lightning an anchor
         rows = batch_rows(batch)
         if self.size is None:  # "auto" starts at the loader batch's size
             self.size = self._hooks["smallest"](rows or 1)
