@@ -28,6 +28,35 @@ FLUSH = 64  # small gradients whose squared norms are taken together, in one fus
 LARGE = 1 << 16  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
 
 
+def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squared entries of ``tensors`` (float32): a dot per large one, one fused norm for the rest."""
+    large = [t.reshape(-1) for t in tensors if t.numel() >= LARGE]
+    small = [t for t in tensors if t.numel() < LARGE]
+    parts = [torch.dot(t, t).float() for t in large]
+    if small:
+        norms = torch._foreach_norm(small)
+        if len({(n.dtype, n.device) for n in norms}) == 1:
+            stacked = torch.stack(norms).float()
+            parts.append(torch.dot(stacked, stacked))
+        else:  # mixed dtypes or devices
+            parts.extend(n.float().square().to(parts[0].device if parts else n.device) for n in norms)
+    devices = {p.device for p in parts}
+    if len(devices) > 1:
+        parts = [p.to(parts[0].device) for p in parts]
+    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+
+
+def _micro_batch_squares(small: list[tuple[list[torch.Tensor], Any]], device: torch.device) -> torch.Tensor:
+    """Each micro-batch's squared gradient norm, unscaled: its partial sums added, times its unscale squared."""
+    partials = [part.float().to(device) for parts, _ in small for part in parts]
+    segments = torch.tensor([index for index, (parts, _) in enumerate(small) for _ in parts], device=device)
+    sums = torch.zeros(len(small), device=device)
+    if partials:
+        sums.index_add_(0, segments, torch.stack(partials))
+    unscale = torch.stack([torch.as_tensor(u, dtype=torch.float32, device=device).reshape(()) for _, u in small])
+    return sums * unscale.square()
+
+
 class NoiseScale(Feature):
     """Estimate the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` once per optimizer step.
 
@@ -67,9 +96,9 @@ class NoiseScale(Feature):
         self._params: list[torch.Tensor] = []  # the parameters hooked when the window opened
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
-        self._micro_sq: torch.Tensor | None = None  # squared norm of the micro-batch gradient in progress
+        self._micro_sq: list[torch.Tensor] | None = None  # partial squared norms of the micro-batch in progress
         self._micro_unscale: float | torch.Tensor = 1.0  # turns the hooked gradient into the micro-batch mean's
-        self._small_sqs: list[torch.Tensor] = []  # this window's micro-batch gradients' squared norms
+        self._small_sqs: list[tuple[list[torch.Tensor], Any]] = []  # this window's (partial squares, unscale)
         self._small_items: list[Any] = []
         self._pending: list[torch.Tensor] = []  # gradients of the micro-batch in progress, not yet in _micro_sq
 
@@ -115,35 +144,32 @@ class NoiseScale(Feature):
 
     @override
     def before_backward(self, ctx: Context) -> None:
-        self._micro_sq = torch.zeros((), device=ctx.loss.device if ctx.loss is not None else None)
+        self._micro_sq = []  # the micro-batch's partial squared norms, summed once per optimizer step
         self._micro_unscale = ctx.loss_divisor
 
     def _add_micro_sq(self, grad: torch.Tensor) -> None:
         if self._micro_sq is None:
             return
         if grad.numel() >= LARGE:  # a large gradient: its own fused dot now, without holding it
-            with torch.no_grad():
-                flat = grad.detach().reshape(-1)
-                self._micro_sq += torch.dot(flat, flat).float()
+            flat = grad.reshape(-1)
+            self._micro_sq.append(torch.dot(flat, flat))
             return
         self._pending.append(grad)
         if len(self._pending) >= FLUSH:
             self._flush()
 
     def _flush(self) -> None:
-        """Add the squared norms of the gradients collected so far, in one fused kernel per device and dtype."""
+        """The squared norms of the small gradients collected so far: one fused norm, one dot."""
         pending, self._pending = self._pending, []
         if not pending or self._micro_sq is None:
             return
-        with torch.no_grad():
-            norms = torch._foreach_norm([g.detach() for g in pending])
-            self._micro_sq += torch.stack([n.float().to(self._micro_sq.device) for n in norms]).square().sum()
+        self._micro_sq.append(_sum_of_squares(pending))  # backward's gradients need no detach
 
     @override
     def after_backward(self, ctx: Context) -> None:
         self._flush()
         if self._micro_sq is not None:
-            self._small_sqs.append(self._micro_sq * self._micro_unscale**2)
+            self._small_sqs.append((self._micro_sq, self._micro_unscale))
             self._small_items.append(self._micro_items)
             self._micro_sq = None
 
@@ -163,8 +189,8 @@ class NoiseScale(Feature):
         bearing = sizes > 0  # a micro-batch without items (no loss-bearing token) holds no gradient sample
         if int(bearing.sum()) == 0:
             return
-        big_sq = torch.stack([torch.dot(g.detach().reshape(-1), g.detach().reshape(-1)).float() for g in grads]).sum()
-        small_sq = torch.stack(small)[bearing.to(small[0].device)].mean()
+        big_sq = _sum_of_squares(grads)
+        small_sq = _micro_batch_squares(small, big_sq.device)[bearing.to(big_sq.device)].mean()
         scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
         if scaler is not None and scaler.is_enabled():  # the scale the window's backwards ran with
             small_sq = small_sq / scaler.get_scale() ** 2
