@@ -98,8 +98,9 @@ class AccumulationScheduler(Callback):
             ``torch.dtype``; ``"auto"`` (the default) is ``"float32"`` where the strategy supports it and the
             parameters' dtype elsewhere, with a warning; ``None`` always the parameters' dtype. Costs 4 bytes per
             narrower trainable parameter (:class:`~lightning_accum.features.WideAccumulation`).
-        log_metrics: Log the ``accum/...`` metrics once per optimizer step through every logger, with a TensorBoard
-            dashboard, and show the factor in the progress bar (:class:`~lightning_accum.features.Metrics`).
+        log_metrics: Log the ``accum/...`` metrics every ``Trainer(log_every_n_steps)`` optimizer steps through every
+            logger, with a TensorBoard dashboard, and show the factor in the progress bar
+            (:class:`~lightning_accum.features.Metrics`).
 
     Raises:
         TypeError: If an argument has the wrong type.
