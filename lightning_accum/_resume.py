@@ -49,7 +49,7 @@ class ResumePoint:
 
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
-        self.callback_state = copy.deepcopy(callback_state)
+        self.callback_state = _copy(callback_state)  # once per optimizer step: a structural copy, not deepcopy
         # the same call Lightning makes to checkpoint the dataloaders: `state_dict()` of those that have one
         self._loaders = copy.deepcopy(trainer.fit_loop.on_save_checkpoint().get("combined_loader"))
 
@@ -89,3 +89,16 @@ class ResumePoint:
             # that epoch's end (torchdata's StatefulDataLoader then yields nothing); without a state, each loader
             # starts the epoch afresh, as the window does
             loop_state.pop("combined_loader", None)
+
+
+def _copy(value: Any) -> Any:
+    """A copy of a checkpoint state: containers rebuilt, immutable leaves shared, anything else deep-copied."""
+    if isinstance(value, dict):
+        return {key: _copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_copy(item) for item in value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return copy.deepcopy(value)

@@ -8,7 +8,7 @@ the Trainer. Pure: no Lightning import.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -66,7 +66,7 @@ class Window:
 
     def state_dict(self) -> dict[str, Any]:
         """The window as a plain dict, for checkpoints."""
-        return asdict(self)
+        return {"size": self.size, "taken": self.taken, "closed": self.closed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a window saved by :meth:`state_dict`; missing keys keep their defaults."""
