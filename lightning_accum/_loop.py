@@ -38,6 +38,11 @@ _SHADOWED = (
 )
 
 
+def ends_epoch(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether the batch at ``batch_idx`` is its epoch's last (by the epoch's length, or the fetcher's last batch)."""
+    return batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch
+
+
 class LoopControl:
     """Own ``trainer.accumulate_grad_batches`` and, while in charge, Lightning's accumulation decisions.
 

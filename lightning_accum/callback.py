@@ -10,7 +10,6 @@ window plus each feature's state under the feature's name.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Literal
@@ -24,11 +23,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_accum._loop import LoopControl
+from lightning_accum._loop import LoopControl, ends_epoch
 from lightning_accum._microbatch import AUTO, MicroBatcher
 from lightning_accum._resume import ResumePoint
 from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
-from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.events import Context, Event, Feature, Features, takes_dataloader_iter
 from lightning_accum.features import (
     AdaptiveGrowth,
     ItemWeighting,
@@ -315,7 +314,7 @@ class AccumulationScheduler(Callback):
         if ctx.window.closed:
             self._resume.window_opened(trainer)
             self._open_window(trainer, batch_idx)
-        ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
+        ctx.window.take(ends_epoch=ends_epoch(trainer, batch_idx))
         ctx.batch, ctx.batch_idx = batch, batch_idx
         if not self._splitting:
             self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
@@ -344,7 +343,7 @@ class AccumulationScheduler(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if not self._in_charge:
             return
-        if self._splitting and self._batcher.anchored:  # type: ignore[union-attr]
+        if self._anchored:
             return  # the anchor's backward adds zeros: no micro-batch's
         share = self._batcher.share if self._splitting else 1.0  # type: ignore[union-attr]
         self._ctx.loss, self._ctx.loss_divisor = loss, self._ctx.window.size / share
@@ -352,7 +351,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._splitting and self._batcher.anchored:  # type: ignore[union-attr]
+        if self._anchored:
             self._batcher.anchored = False  # type: ignore[union-attr]
             return
         if self._in_charge:
@@ -471,6 +470,11 @@ class AccumulationScheduler(Callback):
     def _splitting(self) -> bool:
         return self._batcher is not None and self._batcher.installed
 
+    @property
+    def _anchored(self) -> bool:
+        """Whether the backward Lightning runs now is the micro-batcher's anchor (no micro-batch's)."""
+        return self._splitting and self._batcher is not None and self._batcher.anchored
+
     def _split_hooks(self) -> dict[str, Callable[..., Any]]:
         return {
             "start": self._micro_batch_started,
@@ -524,21 +528,21 @@ class AccumulationScheduler(Callback):
         ctx.window.discard()
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         self._open_window(trainer, batch_idx, closing=closing)
-        ctx.window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
+        ctx.window.take(ends_epoch=ends_epoch(trainer, batch_idx))
 
     def _any_rank(self, flag: bool) -> bool:
-        trainer = self._ctx.trainer
-        if trainer.world_size == 1:
-            return flag
-        local = torch.tensor(float(flag), device=trainer.strategy.root_device)
-        return bool(trainer.strategy.reduce(local, reduce_op="sum").item() > 0)
+        return self._reduce_number(float(flag), "sum") > 0
 
     def _smallest(self, size: int) -> int:
+        return int(self._reduce_number(float(size), "min"))
+
+    def _reduce_number(self, value: float, op: str) -> float:
+        """``value`` reduced over the ranks (one scalar collective; none on one process)."""
         trainer = self._ctx.trainer
         if trainer.world_size == 1:
-            return size
-        local = torch.tensor(float(size), device=trainer.strategy.root_device)
-        return int(trainer.strategy.reduce(local, reduce_op="min").item())
+            return value
+        local = torch.tensor(value, device=trainer.strategy.root_device)
+        return float(trainer.strategy.reduce(local, reduce_op=op).item())
 
     @property
     def _in_charge(self) -> bool:
@@ -588,16 +592,11 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
 
 def _infer_micro_batch_size(trainer: pl.Trainer, given: int | None) -> int | None:
     """The per-rank micro-batch size: ``given``, else the train dataloader's ``batch_size``, else ``None``."""
-    if given is not None:
-        return given
-    loader = trainer.train_dataloader
-    if not isinstance(loader, DataLoader):
-        return None
-    size = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-    return size if isinstance(size, int) and size > 0 else None
+    return given if given is not None else _loader_batch_size(trainer)
 
 
 def _loader_batch_size(trainer: pl.Trainer) -> int | None:
+    """The train dataloader's ``batch_size`` (``None`` when it has none, e.g. a loader of ready-made batches)."""
     loader = trainer.train_dataloader
     if not isinstance(loader, DataLoader):
         return None
@@ -615,7 +614,7 @@ def _splits(trainer: pl.Trainer, batcher: MicroBatcher | None) -> bool:
 
 def _check_splitting(trainer: pl.Trainer, batcher: MicroBatcher, features: Features) -> None:
     """Refuse what micro-batching cannot do, on every rank alike (the conditions are the same everywhere)."""
-    if "dataloader_iter" in inspect.signature(trainer.lightning_module.training_step).parameters:
+    if takes_dataloader_iter(trainer.lightning_module):
         raise ValueError(
             "micro_batch_size splits the batch handed to `training_step`, but `training_step(self, dataloader_iter)`"
             " fetches its own: use `training_step(self, batch, batch_idx)` or no micro_batch_size"

@@ -12,6 +12,7 @@ a test without a Trainer.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -56,6 +57,11 @@ class Event(str, Enum):
     MICRO_BATCH_ENDED = "micro_batch_ended"
     WINDOW_CLOSED = "window_closed"
     FIT_END = "fit_end"
+
+
+def takes_dataloader_iter(module: Any) -> bool:
+    """Whether ``module.training_step`` fetches its own batches: then no hook sees a batch before its backward."""
+    return module is not None and "dataloader_iter" in inspect.signature(module.training_step).parameters
 
 
 def _local_reduce(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:

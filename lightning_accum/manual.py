@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_accum._loop import ends_epoch
 from lightning_accum.schedule import Schedule, check_int
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_pending_gradients
@@ -157,7 +158,7 @@ class ManualAccumulation:
             position = trainer.current_epoch if self._unit == "epoch" else trainer.global_step
             self._window.open(int(min(self._schedule.factor_at(position), trainer.num_training_batches - batch_idx)))
             self._grads_at_open = _grad_versions(module.parameters())
-        self._window.take(ends_epoch=batch_idx + 1 >= trainer.num_training_batches or trainer.is_last_batch)
+        self._window.take(ends_epoch=ends_epoch(trainer, batch_idx))
         window = self._window
         micro = MicroStep(size=window.size, index=window.size - 1 if window.closed else window.taken - 1)
         strategy = trainer.strategy

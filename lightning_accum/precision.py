@@ -90,10 +90,12 @@ class WideAccumulator:
         self._flags: dict[torch.device, torch.Tensor] = {}
         self.buffers: list[torch.Tensor] = []
         self._touched = [False] * len(self.params)  # which buffers received a gradient in this window
-        for device in dict.fromkeys(p.device for p in self.params):
-            on_device = [p for p in self.params if p.device == device]
-            numel = sum(p.numel() for p in on_device)
-            self._flat[device] = torch.zeros(numel + len(on_device), dtype=dtype, device=device)
+        self._on_device: dict[torch.device, list[int]] = {}  # the parameters' indices, per device
+        for index, param in enumerate(self.params):
+            self._on_device.setdefault(param.device, []).append(index)
+        for device, indices in self._on_device.items():
+            numel = sum(self.params[i].numel() for i in indices)
+            self._flat[device] = torch.zeros(numel + len(indices), dtype=dtype, device=device)
             self._flags[device] = self._flat[device][numel:]
         offsets = dict.fromkeys(self._flat, 0)
         for param in self.params:
@@ -135,8 +137,7 @@ class WideAccumulator:
         Every rank's buffers take part whole (one that received no gradient in the window is zeroed first); a
         parameter that no rank touched keeps no gradient.
         """
-        for device in self._flat:
-            on_device = [i for i, p in enumerate(self.params) if p.device == device]
+        for device, on_device in self._on_device.items():
             for index in on_device:
                 if not self._touched[index]:
                     self.buffers[index].zero_()

@@ -54,17 +54,20 @@ def make_net() -> nn.Module:
     return nn.Linear(FEATURES, FEATURES)
 
 
-def reference_gradients(x: torch.Tensor, y: torch.Tensor, factor: int = FACTOR) -> list[torch.Tensor]:
-    """The correctly rounded mean of the micro-batch gradients of the bfloat16 module, one tensor per parameter."""
+def reference_gradients(x: torch.Tensor, y: torch.Tensor, factor: int = FACTOR, ranks: int = 1) -> list[torch.Tensor]:
+    """The correctly rounded mean of the micro-batch gradients of the bfloat16 module, one tensor per parameter.
+
+    ``ranks`` windows of ``factor`` micro-batches each, consecutive in ``x`` (rank r's from ``r x factor`` on), as
+    the ranks' gradients are averaged.
+    """
     net = make_net().to(torch.bfloat16)
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in net.parameters()]
-    for start in range(0, factor * MICRO_BATCH, MICRO_BATCH):
+    for start in range(0, ranks * factor * MICRO_BATCH, MICRO_BATCH):
         net.zero_grad()
-        xb, yb = x[start : start + MICRO_BATCH].bfloat16(), y[start : start + MICRO_BATCH].bfloat16()
-        (loss(net(xb), yb) / factor).backward()
+        (loss(net(x[start : start + MICRO_BATCH].bfloat16()), y[start : start + MICRO_BATCH]) / factor).backward()
         for total, p in zip(sums, net.parameters(), strict=True):
             total += p.grad.float()
-    return [total.to(torch.bfloat16) for total in sums]
+    return [(total / ranks).to(torch.bfloat16) for total in sums]
 
 
 class Module(pl.LightningModule):
@@ -237,21 +240,8 @@ def two_ranks(tmp_path_factory):
     return out
 
 
-def _two_rank_reference() -> list[torch.Tensor]:
-    """The correctly rounded mean over both ranks' 32 micro-batch gradients (rank r holds samples r*128 on)."""
-    x, y = make_data(2 * FACTOR * MICRO_BATCH)
-    net = make_net().to(torch.bfloat16)
-    sums = [torch.zeros_like(p, dtype=torch.float32) for p in net.parameters()]
-    for start in range(0, 2 * FACTOR * MICRO_BATCH, MICRO_BATCH):
-        net.zero_grad()
-        (loss(net(x[start : start + MICRO_BATCH].bfloat16()), y[start : start + MICRO_BATCH]) / FACTOR).backward()
-        for total, p in zip(sums, net.parameters(), strict=True):
-            total += p.grad.float()
-    return [(total / 2).to(torch.bfloat16) for total in sums]
-
-
 def _ulps(record: dict) -> float:
-    reference = _two_rank_reference()
+    reference = reference_gradients(*make_data(2 * FACTOR * MICRO_BATCH), ranks=2)  # rank r holds samples r*128 on
     return max(
         bf16_ulps(torch.tensor(grad).view_as(r), r).max().item()
         for grad, r in zip(record["grads"], reference, strict=True)

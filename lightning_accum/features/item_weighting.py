@@ -12,14 +12,13 @@ and ``ctx.gradient_scale`` (``WINDOW_CLOSING``).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature
+from lightning_accum.events import Context, Feature, takes_dataloader_iter
 from lightning_accum.items import check_count, check_normalize_by, invalid_counts, make_counter
 from lightning_accum.schedule import check_int
 
@@ -78,7 +77,7 @@ class ItemWeighting(Feature):
 
     @override
     def setup(self, ctx: Context) -> None:
-        if ctx.module is not None and "dataloader_iter" in inspect.signature(ctx.module.training_step).parameters:
+        if takes_dataloader_iter(ctx.module):
             raise ValueError(
                 f"normalize_by={self.normalize_by!r} counts each micro-batch's items before its backward, but"
                 " `training_step(self, dataloader_iter)` hides the batch from callbacks: use `training_step(self,"

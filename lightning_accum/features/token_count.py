@@ -10,14 +10,13 @@ Publishes ``ctx.tokens_seen`` (``FIT_START`` and ``WINDOW_CLOSED``).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature
+from lightning_accum.events import Context, Feature, takes_dataloader_iter
 from lightning_accum.items import check_count, make_counter
 
 
@@ -61,7 +60,7 @@ class TokenCount(Feature):
 
     @override
     def setup(self, ctx: Context) -> None:
-        if ctx.module is not None and "dataloader_iter" in inspect.signature(ctx.module.training_step).parameters:
+        if takes_dataloader_iter(ctx.module):
             raise ValueError(
                 "unit='token' counts each micro-batch's tokens, but `training_step(self, dataloader_iter)` hides the"
                 " batch from callbacks: use `training_step(self, batch, batch_idx)`, or another unit"

@@ -93,10 +93,12 @@ class WideAccumulation(Feature):
     def _narrow(self, ctx: Context) -> list[torch.Tensor]:
         return [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
 
-    def _build(self, ctx: Context) -> WideAccumulator:
+    def _covered(self, ctx: Context) -> list[torch.Tensor]:
         # under DDP every trainable parameter: DDP's own reduction is off for the window, so all go through here
-        covered = [p for p in ctx.module.parameters() if p.requires_grad] if self._all_reduce else self._narrow(ctx)
-        return WideAccumulator(covered, self.dtype)
+        return [p for p in ctx.module.parameters() if p.requires_grad] if self._all_reduce else self._narrow(ctx)
+
+    def _build(self, ctx: Context) -> WideAccumulator:
+        return WideAccumulator(self._covered(ctx), self.dtype)
 
     def _fsdp2(self, strategy: Any, model: Any, narrow: list[torch.Tensor]) -> None:
         policy = strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else "every"
@@ -137,10 +139,11 @@ class WideAccumulation(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
-        if self._accumulator is not None and {id(p) for p in self._build(ctx).params} != {
-            id(p) for p in self._accumulator.params
-        }:
-            self._accumulator = self._build(ctx)  # parameters were frozen or unfrozen (a backbone fine-tuning)
+        if self._accumulator is not None:
+            covered = self._covered(ctx)
+            if [id(p) for p in covered] != [id(p) for p in self._accumulator.params]:
+                # parameters were frozen or unfrozen (a backbone fine-tuning)
+                self._accumulator = WideAccumulator(covered, self.dtype)
         # one backward rounds once anyway (a window of one loader batch that is not split)
         self._active = self._accumulator is not None and (ctx.window.size > 1 or ctx.splitting)
         if self._strategy is not None:
