@@ -154,8 +154,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--only", choices=("tiny", "tensors", "compute-bound"), nargs="+", default=None, help="run only these tables"
+    )
     args = parser.parse_args()
     results: dict[str, Any] = {"version": lightning_accum.__version__, "torch_threads": torch.get_num_threads()}
+    tables = set(args.only or ("tiny", "tensors", "compute-bound"))
+    if "tiny" in tables:
+        results["tiny"] = tiny_table(args.rounds)
+    if "tensors" in tables:
+        results["noise_per_tensor"] = tensors_table(args.rounds)
+    if "compute-bound" in tables:
+        results["compute_bound"] = compute_bound_table(args.rounds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "feature_overhead.json" if args.only is None else f"feature_overhead_{'_'.join(sorted(tables))}.json"
+    (args.out / name).write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {args.out / name}")
+
+
+def tiny_table(count: int) -> list[dict[str, Any]]:
+    """Fixed overhead per feature on the tiny model, against stock and a raw loop."""
 
     data = loader(32, 8, 100)
     configs: dict[str, dict[str, Any] | None] = {
@@ -171,7 +189,7 @@ def main() -> None:
         name: (lambda options=options: lightning_seconds(tiny, data, options)) for name, options in configs.items()
     }
     measures["raw PyTorch"] = lambda: raw_seconds(tiny, data)
-    times = rounds(measures, args.rounds)
+    times = rounds(measures, count)
     tiny_rows = []
     print("| tiny model | ms/micro-step | ratio to stock (median) | range | ratio to raw PyTorch |")
     print("| --- | ---: | ---: | --- | ---: |")
@@ -185,19 +203,25 @@ def main() -> None:
             f" {versus['min']:.3f} to {versus['max']:.3f} | {raw:.2f} |"
         )
         tiny_rows.append({"name": name, "ms": statistics.median(times[name]) * 1e3, "ratio": versus, "to_raw": raw})
-    results["tiny"] = tiny_rows
+    return tiny_rows
 
+
+def tensors_table(count: int) -> list[dict[str, Any]]:
+    """The noise scale's extra time per parameter tensor and micro-step, 16 to 2048 tensors."""
     print("\n| parameter tensors | noise scale off (ms/micro-step) | on | extra per tensor per micro-step |")
     print("| ---: | ---: | ---: | ---: |")
     per_tensor = []
     for tensors in (16, 128, 512, 2048):
-        pair = rounds(noise_pair(tensors), max(3, args.rounds // 2))
+        pair = rounds(noise_pair(tensors), max(3, count // 2))
         off, on = statistics.median(pair["off"]), statistics.median(pair["on"])
         extra_us = max(0.0, on - off) / tensors * 1e6
         print(f"| {tensors} | {off * 1e3:.2f} | {on * 1e3:.2f} | {extra_us:.2f} us |")
         per_tensor.append({"tensors": tensors, "off_ms": off * 1e3, "on_ms": on * 1e3, "us_per_tensor": extra_us})
-    results["noise_per_tensor"] = per_tensor
+    return per_tensor
 
+
+def compute_bound_table(count: int) -> dict[str, Any]:
+    """Logging against stock and the noise scale on against off, on the compute-bound MLP."""
     big = loader(1024, 64, 8)
     times = rounds(
         {
@@ -206,16 +230,14 @@ def main() -> None:
             "nothing on": lambda: lightning_seconds(mlp, big, {"log_metrics": False}),
             "noise scale": lambda: lightning_seconds(mlp, big, {"log_metrics": False, "noise_scale": True}),
         },
-        args.rounds,
+        count,
     )
     logging, noise = ratio(times, "logging", "stock"), ratio(times, "noise scale", "nothing on")
     print("\n| compute-bound MLP | ratio (median) | range |")
     print("| --- | ---: | --- |")
     print(f"| all logging / stock | {logging['median']:.3f} | {logging['min']:.3f} to {logging['max']:.3f} |")
     print(f"| noise scale on / off | {noise['median']:.3f} | {noise['min']:.3f} to {noise['max']:.3f} |")
-    results["compute_bound"] = {"logging": logging, "noise": noise}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "feature_overhead.json").write_text(json.dumps(results, indent=2))
+    return {"logging": logging, "noise": noise}
 
 
 if __name__ == "__main__":

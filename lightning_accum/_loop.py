@@ -170,8 +170,11 @@ class LoopControl:
         trainer = self._trainer
 
         def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            if self._following or interval != "step":
+                lightning_update(interval, update_plateau_schedulers)
+                return
             configs = trainer.strategy.lr_scheduler_configs
-            if self._following or interval != "step" or not any(config.frequency > 1 for config in configs):
+            if not any(config.frequency > 1 for config in configs):
                 lightning_update(interval, update_plateau_schedulers)
                 return
             # `frequency` counts optimizer steps: hand Lightning only the step schedulers due at this optimizer

@@ -42,6 +42,7 @@ class ResumePoint:
         self.restored = False  # whether this fit loaded the callback's state from a checkpoint
         self.callback_state: dict[str, Any] | None = None
         self._loaders: list[dict[str, Any]] | None = None
+        self._stateless: Any = None  # the train dataloaders last found to have no state_dict
         self._batches: tuple[int, int, bool] | None = None  # batches completed before the window (in all, in the
         # epoch), and whether its first batch is the epoch's last
         self._fit_loop: Any = None  # the Trainer's fit loop, to tell whether the window has stepped
@@ -50,8 +51,14 @@ class ResumePoint:
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
         self.callback_state = _copy(callback_state)  # once per optimizer step: a structural copy, not deepcopy
+        loaders = trainer.train_dataloader
+        if loaders is not None and loaders is self._stateless:  # asked once per dataloader object, not per step
+            self._loaders = None
+            return
         # the same call Lightning makes to checkpoint the dataloaders: `state_dict()` of those that have one
-        self._loaders = copy.deepcopy(trainer.fit_loop.on_save_checkpoint().get("combined_loader"))
+        states = trainer.fit_loop.on_save_checkpoint().get("combined_loader")
+        self._loaders = copy.deepcopy(states)
+        self._stateless = loaders if states is None else None
 
     def window_opened(self, trainer: pl.Trainer) -> None:
         """Keep where the window starts: the batches completed before it."""

@@ -1,10 +1,11 @@
 """Item weighting (``normalize_by="sample"|"token"``): each micro-batch weighs its samples or loss-bearing tokens.
 
 Lightning divides each micro-batch's mean loss by the window's size, so every micro-batch weighs the same. Here the
-loss is re-weighed in place before its backward to ``items x size / items_per_micro_batch`` of that (a constant common
-to all ranks keeps the weighted losses near the unweighted ones), and at the window's end the accumulated gradient is
-divided by the window's items on all ranks (one scalar all-reduce per optimizer step), so the step is that of the
-mean loss over every sample or token of the window. Counting is in :mod:`lightning_accum.items`.
+loss is re-weighed in place before its backward by ``items / typical_items`` (a constant common to all ranks keeps the
+weighted losses near Lightning's), and at the window's end the accumulated gradient is scaled by the ratio of the
+typical window's items to the window's items on all ranks (one scalar all-reduce per optimizer step), so the step is
+that of the mean loss over every sample or token of the window. A window whose micro-batches all hold the typical
+count needs no scaling: the gradient is left as backward wrote it. Counting is in :mod:`lightning_accum.items`.
 
 Publishes ``ctx.items`` (``MICRO_BATCH_STARTED``), ``ctx.loss_divisor`` (``BEFORE_BACKWARD``), ``ctx.window_items``
 and ``ctx.gradient_scale`` (``WINDOW_CLOSING``).
@@ -47,8 +48,8 @@ class ItemWeighting(Feature):
         ...     ctx.batch, ctx.loss = torch.zeros(rows, 2), torch.ones(())
         ...     features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
         ...     features.dispatch(Event.BEFORE_BACKWARD, ctx)
-        >>> features.dispatch(Event.WINDOW_CLOSING, ctx); ctx.window_items, ctx.gradient_scale
-        (4.0, 0.75)
+        >>> features.dispatch(Event.WINDOW_CLOSING, ctx); ctx.window_items, ctx.gradient_scale  # typical: 2 x 3
+        (4.0, 1.5)
     """
 
     name = "item_weighting"
@@ -110,16 +111,17 @@ class ItemWeighting(Feature):
         if self._per_micro_batch is None:
             first = torch.as_tensor(items, dtype=torch.float32, device=loss.device)
             self._per_micro_batch = max(float(ctx.reduce(first, "mean")), 1.0)
-        # Lightning divided the loss by the window's size; make it items / (typical items) instead, in place: the
-        # tensor handed to this hook is the fresh quotient that backward runs on
+        # Lightning divided the loss by the window's size; weigh it by items / (typical items), in place: the tensor
+        # handed to this hook is the fresh quotient that backward runs on. A window of typical micro-batches then
+        # needs no correction at its end.
+        divided = ctx.window.size * self._per_micro_batch
         if isinstance(items, torch.Tensor):  # counted on the device: stay there
-            weight = items.to(loss.dtype) * (ctx.window.size / self._per_micro_batch)
-            loss.mul_(weight)
+            loss.mul_(items.to(loss.dtype) / self._per_micro_batch)
             # a micro-batch without items has a zero gradient: any positive divisor serves
-            ctx.loss_divisor = self._per_micro_batch / items.float().clamp(min=1.0)
+            ctx.loss_divisor = divided / items.float().clamp(min=1.0)
         else:  # a host number: no copy to the device
-            loss.mul_(items * ctx.window.size / self._per_micro_batch)
-            ctx.loss_divisor = self._per_micro_batch / max(items, 1.0)
+            loss.mul_(items / self._per_micro_batch)
+            ctx.loss_divisor = divided / max(items, 1.0)
         self._window_items = self._window_items + items
         self._backwards += 1
         self._device = loss.device
@@ -128,18 +130,10 @@ class ItemWeighting(Feature):
     def window_closing(self, ctx: Context) -> None:
         if self._per_micro_batch is None:  # no backward yet in this fit (training_step returned None)
             return
-        dtype = torch.float32 if self._device.type == "mps" else torch.float64
-        local = torch.stack(
-            [
-                torch.as_tensor(self._window_items, dtype=dtype, device=self._device).reshape(()),
-                torch.as_tensor(0.0 if self._invalid is None else self._invalid, device=self._device)
-                .clamp(max=1.0)
-                .to(dtype),
-                torch.tensor(float(self._backwards), dtype=dtype, device=self._device),
-            ]
-        )
-        # the one collective this adds per step: the window's items, and the ranks with a bad count, on all ranks
-        total, ranks_with_bad_counts, backwards = ctx.reduce(local, "sum").tolist()
+        if ctx.world_size == 1 and self._invalid is None and not isinstance(self._window_items, torch.Tensor):
+            total, ranks_with_bad_counts, backwards = float(self._window_items), 0.0, float(self._backwards)
+        else:
+            total, ranks_with_bad_counts, backwards = self._reduce_counts(ctx)
         if ranks_with_bad_counts:
             self._raise_bad_count(ctx, int(ranks_with_bad_counts))
         if backwards and total <= 0:
@@ -150,8 +144,24 @@ class ItemWeighting(Feature):
                 " `count_items`, `token_key` and `ignore_index`, or drop batches without a loss-bearing item"
             )
         ctx.window_items = total
-        # the gradient holds the rank average of sum(items_i * grad_i) / items_per_micro_batch
-        ctx.gradient_scale = ctx.world_size * self._per_micro_batch / total if total > 0 else 0.0
+        # the gradient holds the rank average of sum(items_i * grad_i) / (size * typical items): exactly the mean
+        # over the window's items, with nothing to scale, when every micro-batch has the typical count
+        typical = ctx.world_size * ctx.window.size * self._per_micro_batch
+        ctx.gradient_scale = typical / total if total > 0 else 0.0
+
+    def _reduce_counts(self, ctx: Context) -> list[float]:
+        """The window's items, ranks with a bad count, and backwards, summed over the ranks: one collective."""
+        dtype = torch.float32 if self._device.type == "mps" else torch.float64
+        local = torch.stack(
+            [
+                torch.as_tensor(self._window_items, dtype=dtype, device=self._device).reshape(()),
+                torch.as_tensor(0.0 if self._invalid is None else self._invalid, device=self._device)
+                .clamp(max=1.0)
+                .to(dtype),
+                torch.tensor(float(self._backwards), dtype=dtype, device=self._device),
+            ]
+        )
+        return ctx.reduce(local, "sum").tolist()  # the one collective this adds per step
 
     def _raise_bad_count(self, ctx: Context, ranks: int) -> None:
         """Every rank raises before the step: the rank with the bad count names it, the others say where it is."""

@@ -36,6 +36,7 @@ class Metrics(Feature):
         self._started = 0.0
         self._batch: tuple[int, int] | None = None  # (factor, effective batch) of the last window, this fit
         self._layout_written = False  # written with the first step's metrics: charts for what this run logs
+        self._logging = False  # whether the window in progress ends in a logged step
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -46,6 +47,7 @@ class Metrics(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         self._loss, self._items, self._started = None, 0, time.perf_counter()
+        self._logging = self._logs(ctx, ctx.optimizer_steps + 1)  # the window's step: its loss is summed only then
         batch = (ctx.factor, ctx.effective_batch(ctx.factor))
         changes = []
         if self._batch is not None and batch != self._batch:
@@ -64,13 +66,23 @@ class Metrics(Feature):
                 logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
         rank_zero_info(f"AccumulationScheduler: {text}")
 
+    @staticmethod
+    def _logs(ctx: Context, step: int) -> bool:
+        """Whether optimizer step ``step`` is logged: on rank zero, every ``log_every_n_steps``, as Lightning logs."""
+        if not ctx.is_global_zero or not getattr(ctx.trainer, "loggers", None):
+            return False
+        return step % max(1, int(getattr(ctx.trainer, "log_every_n_steps", 1) or 1)) == 0
+
     @override
     def micro_batch_ended(self, ctx: Context) -> None:
-        if ctx.loss is None:  # a skipped micro-step (training_step returned None)
+        if ctx.loss is None or not self._logging:  # a skipped micro-step (training_step returned None), or no log
             return
         loss = ctx.loss.detach()  # Lightning's loss is already divided by the window's size
         if ctx.items is not None:  # weigh by items: sum(loss_i * items_i), divided at the window's end
-            loss = loss * ctx.window.size * torch.as_tensor(ctx.items, dtype=loss.dtype, device=loss.device)
+            if isinstance(ctx.items, torch.Tensor):
+                loss = loss * ctx.window.size * ctx.items.to(device=loss.device, dtype=loss.dtype)
+            else:  # a host count: one multiplication, no copy to the device
+                loss = loss * (ctx.items * ctx.window.size)
             self._items = self._items + ctx.items
         self._loss = loss if self._loss is None else self._loss + loss
 
@@ -81,12 +93,9 @@ class Metrics(Feature):
             effective = ctx.effective_batch(ctx.window.taken)
             shown["factor"] = ctx.factor
             shown["eff_batch"] = effective if ctx.window.taken == ctx.factor else f"{effective} (short window)"
-        loggers = getattr(ctx.trainer, "loggers", [])
-        if not ctx.is_global_zero or not loggers:
+        if not self._logs(ctx, ctx.optimizer_steps):
             return
-        every = max(1, int(getattr(ctx.trainer, "log_every_n_steps", 1) or 1))
-        if ctx.optimizer_steps % every:  # as Lightning's own logging: every `log_every_n_steps` optimizer steps
-            return
+        loggers = ctx.trainer.loggers
         record = StepRecord(
             factor=ctx.factor,
             micro_steps_in_window=ctx.window.taken,

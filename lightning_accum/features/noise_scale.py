@@ -1,12 +1,18 @@
 """The gradient noise scale (``noise_scale=True``), measured from the micro-batch gradients accumulation computes.
 
-One hook per trainable parameter takes each micro-batch's gradient as backward produces it: a large one's squared
-norm at once (one dot), small ones every ``FLUSH`` together in one fused ``torch._foreach_norm`` (no gradient is
-copied; at most ``FLUSH`` small ones are held a little longer than backward would). Once the window's gradient is
-its mean, its squared norm joins the micro-batch ones in the estimator of :mod:`lightning_accum.noise`. The hooked
-gradient is that of the loss Lightning backpropagates, so each micro-batch's sum is unscaled by
-``ctx.loss_divisor`` (kept on the device: no host synchronisation per micro-step) and the AMP loss scale, constant
-over a window, is taken out once per step.
+Each micro-batch's squared gradient norm is added up on the device, in float32, into one accumulator per micro-batch:
+
+- where ``.grad`` holds nothing before a backward (the window's first one, gradients set to ``None``) and that backward
+  reduces nothing across ranks, it is read from ``.grad`` after the backward: a few fused kernels, no hook at work;
+- otherwise one hook per trainable parameter takes the gradient as backward produces it: a large one's squared norm
+  at once (one dot), small ones flattened ``FLUSH`` at a time into one dot. No gradient is kept beyond a flush
+  (at most ``FLUSH`` small ones are held a little longer than backward would), and no result tensor outlives its
+  addition, so the allocator sees what it would without the estimate.
+
+Once the window's gradient is its mean, its squared norm joins the micro-batch ones in the estimator of
+:mod:`lightning_accum.noise`. The hooked gradient is that of the loss Lightning backpropagates, so each micro-batch's
+sum is unscaled by ``ctx.loss_divisor`` (kept on the device: no host synchronisation per micro-step) and the AMP loss
+scale, constant over a window, is taken out once per step, with the one transfer to the host of the step.
 
 Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them; publishes ``ctx.noise_scale`` and
 ``ctx.noise_batch`` at ``GRADIENT_READY``.
@@ -18,43 +24,92 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch._utils import _flatten_dense_tensors
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
 
-FLUSH = 64  # small gradients whose squared norms are taken together, in one fused kernel
-LARGE = 1 << 16  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
+FLUSH = 64  # small gradients flattened together into one dot
+LARGE = 1 << 14  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
 
 
-def _sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squared entries of ``tensors`` (float32): a dot per large one, one fused norm for the rest."""
-    large = [t.reshape(-1) for t in tensors if t.numel() >= LARGE]
-    small = [t for t in tensors if t.numel() < LARGE]
-    parts = [torch.dot(t, t).float() for t in large]
-    if small:
-        norms = torch._foreach_norm(small)
-        if len({(n.dtype, n.device) for n in norms}) == 1:
-            stacked = torch.stack(norms).float()
-            parts.append(torch.dot(stacked, stacked))
-        else:  # mixed dtypes or devices
-            parts.extend(n.float().square().to(parts[0].device if parts else n.device) for n in norms)
-    devices = {p.device for p in parts}
-    if len(devices) > 1:
-        parts = [p.to(parts[0].device) for p in parts]
-    return torch.stack(parts).sum() if len(parts) > 1 else parts[0]
+class SquareSums:
+    """Sums of squared gradient entries, in float32 slots of one buffer on one device: no host synchronisation.
+
+    One slot per backward of the window, then one for the window's mean gradient. A slot is started, added to (a
+    large tensor with one dot, small ones flattened together into one), and finished; the first addition writes the
+    slot, so no slot is zeroed and no result tensor outlives its addition.
+
+    Args:
+        device: Where the sums are kept: the gradients' device.
+
+    Example::
+
+        >>> sums = SquareSums(torch.device("cpu"))
+        >>> sums.start(0); sums.add(torch.tensor([3.0, 4.0])); sums.finish()
+        >>> sums.start(1); sums.add_all([], [torch.ones(2, 2), torch.ones(3)]); sums.finish()
+        >>> sums.buffer[:2].tolist()
+        [25.0, 7.0]
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.buffer = torch.zeros(8, device=device)
+        self._slots = self.buffer.unbind()  # a view per slot, made once
+        self._slot = self._slots[0]
+        self._written = False
+
+    def start(self, slot: int) -> None:
+        """Make ``slot`` the one added to, growing the buffer (and keeping its earlier slots) if it is too short."""
+        if slot >= len(self._slots):
+            grown = torch.zeros(2 * slot, device=self.buffer.device)
+            grown[: self.buffer.numel()] = self.buffer
+            self.buffer, self._slots = grown, grown.unbind()
+        self._slot, self._written = self._slots[slot], False
+
+    def add(self, tensor: torch.Tensor) -> None:
+        """Add the squared entries of ``tensor`` to the slot."""
+        slot = self._slot
+        if tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.device == slot.device:
+            flat = tensor.view(-1)
+            if self._written:
+                slot.add_(torch.dot(flat, flat))
+            else:
+                torch.dot(flat, flat, out=slot)
+        else:  # a narrower dtype squared in float32, a strided one without a copy, another device's moved
+            value = torch.linalg.vector_norm(tensor, dtype=torch.float32).square().to(slot.device)
+            slot.add_(value) if self._written else slot.copy_(value)
+        self._written = True
+
+    def add_flat(self, tensors: list[torch.Tensor]) -> None:
+        """Add the squared entries of small ``tensors`` on the slot's device: one flatten, one dot."""
+        self.add(_flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0])
+
+    def add_all(self, large: list[torch.Tensor], small: list[torch.Tensor]) -> None:
+        """Add the ``large`` tensors one by one and the ``small`` ones ``FLUSH`` at a time."""
+        for tensor in large:
+            self.add(tensor)
+        for start in range(0, len(small), FLUSH):
+            self.add_flat(small[start : start + FLUSH])
+
+    def finish(self) -> None:
+        """Close the slot: one nothing was added to holds zero."""
+        if not self._written:
+            self._slot.zero_()
+            self._written = True
 
 
-def _micro_batch_squares(small: list[tuple[list[torch.Tensor], Any]], device: torch.device) -> torch.Tensor:
-    """Each micro-batch's squared gradient norm, unscaled: its partial sums added, times its unscale squared."""
-    partials = [part.float().to(device) for parts, _ in small for part in parts]
-    segments = torch.tensor([index for index, (parts, _) in enumerate(small) for _ in parts], device=device)
-    sums = torch.zeros(len(small), device=device)
-    if partials:
-        sums.index_add_(0, segments, torch.stack(partials))
-    unscale = torch.stack([torch.as_tensor(u, dtype=torch.float32, device=device).reshape(()) for _, u in small])
-    return sums * unscale.square()
+def _on_host(sums: torch.Tensor, *columns: list[Any]) -> tuple[list[float], ...]:
+    """``sums`` and each column of numbers or tensors as floats, with one transfer for every tensor among them."""
+    tensors = [value for column in columns for value in column if isinstance(value, torch.Tensor)]
+    if tensors:
+        stacked = torch.stack([t.to(sums.device, torch.float32).reshape(()) for t in tensors])
+        values = iter(torch.cat([sums, stacked]).tolist())
+    else:
+        values = iter(sums.tolist())
+    host = [next(values) for _ in range(sums.numel())]
+    return host, *([next(values) if isinstance(v, torch.Tensor) else float(v) for v in column] for column in columns)
 
 
 class NoiseScale(Feature):
@@ -93,14 +148,20 @@ class NoiseScale(Feature):
     def __init__(self, decay: float = 0.95) -> None:
         self._estimator = NoiseScaleEstimator(decay)
         self._hooks: dict[int, Any] = {}  # id(param) -> hook handle
-        self._params: list[torch.Tensor] = []  # the parameters hooked when the window opened
+        self._module: Any = None  # the module whose parameters were listed
+        self._unhooked: list[torch.Tensor] = []  # its parameters not hooked yet (frozen so far)
+        self._large: list[torch.Tensor] = []  # hooked parameters whose gradients are squared one by one
+        self._small: list[torch.Tensor] = []  # hooked parameters whose gradients are flattened FLUSH at a time
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
-        self._micro_sq: list[torch.Tensor] | None = None  # partial squared norms of the micro-batch in progress
-        self._micro_unscale: float | torch.Tensor = 1.0  # turns the hooked gradient into the micro-batch mean's
-        self._small_sqs: list[tuple[list[torch.Tensor], Any]] = []  # this window's (partial squares, unscale)
+        self._device: torch.device | None = None  # the first hooked parameter's
+        self._sums: SquareSums | None = None  # one slot per backward of the window, then the mean's
+        self._backwards = 0  # backwards of this window so far: the next one's slot
+        self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
+        self._fresh = False  # whether the backward in progress writes into empty gradients (read afterwards)
+        self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
         self._small_items: list[Any] = []
-        self._pending: list[torch.Tensor] = []  # gradients of the micro-batch in progress, not yet in _micro_sq
+        self._pending: list[torch.Tensor] = []  # small gradients of the backward in progress, not yet added
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
@@ -123,14 +184,28 @@ class NoiseScale(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
-        self._small_sqs, self._small_items, self._micro_sq = [], [], None  # nothing of a dropped window survives
-        self._pending = []
-        self._params = []  # S_big is measured on exactly the parameters whose micro-batch gradients are hooked
-        for param in ctx.module.parameters():  # hook parameters that became trainable (an unfrozen backbone)
-            if param.requires_grad and id(param) not in self._hooks:
-                self._hooks[id(param)] = param.register_hook(self._add_micro_sq)
-            if id(param) in self._hooks:
-                self._params.append(param)
+        self._unscales, self._small_items, self._pending = [], [], []  # nothing of a dropped window survives
+        self._backwards, self._adding = 0, False
+        if self._module is not ctx.module:  # the module's parameters, listed once per fit
+            self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
+        if any(param.requires_grad for param in self._unhooked):  # the first window, or a backbone unfrozen since
+            self._hook(self._unhooked)
+
+    def _hook(self, params: list[torch.Tensor]) -> None:
+        """Hook the trainable ``params``: a large gradient is squared at once, a small one joins the next flatten."""
+        for param in params:
+            if not param.requires_grad:
+                continue
+            if self._device is None:
+                self._device = param.device  # where the sums are kept
+            small = param.numel() < LARGE and param.device == self._device
+            self._hooks[id(param)] = param.register_hook(self._add_small if small else self._add_large)
+            (self._small if small else self._large).append(param)
+        self._unhooked = [param for param in self._unhooked if id(param) not in self._hooks]
+
+    def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The gradients of the hooked parameters that have one: (large, small)."""
+        return [p.grad for p in self._large if p.grad is not None], [p.grad for p in self._small if p.grad is not None]
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
@@ -144,34 +219,48 @@ class NoiseScale(Feature):
 
     @override
     def before_backward(self, ctx: Context) -> None:
-        self._micro_sq = []  # the micro-batch's partial squared norms, summed once per optimizer step
-        self._micro_unscale = ctx.loss_divisor
+        if not self._hooks:
+            return
+        if self._sums is None:
+            self._sums = SquareSums(self._device or torch.device("cpu"))
+        self._sums.start(self._backwards)
+        # the window's first backward into gradients set to None, with no reduction across ranks inside it: what it
+        # leaves in the small parameters' .grad is the micro-batch's own gradient, read afterwards in a few flattens
+        # instead of held by hooks (which would make autograd copy it). Large gradients are squared in their hooks
+        # regardless, while backward has just written them.
+        self._fresh = (
+            self._backwards == 0
+            and (ctx.world_size == 1 or not ctx.window.closed)
+            and all(param.grad is None for param in self._small)
+        )
+        self._adding = True
+        self._unscales.append(ctx.loss_divisor)
+        self._small_items.append(self._micro_items)
+        self._backwards += 1
 
-    def _add_micro_sq(self, grad: torch.Tensor) -> None:
-        if self._micro_sq is None:
-            return
-        if grad.numel() >= LARGE:  # a large gradient: its own fused dot now, without holding it
-            flat = grad.reshape(-1)
-            self._micro_sq.append(torch.dot(flat, flat))
-            return
-        self._pending.append(grad)
-        if len(self._pending) >= FLUSH:
-            self._flush()
+    def _add_large(self, grad: torch.Tensor) -> None:
+        if self._adding:
+            self._sums.add(grad)  # type: ignore[union-attr]
 
-    def _flush(self) -> None:
-        """The squared norms of the small gradients collected so far: one fused norm, one dot."""
-        pending, self._pending = self._pending, []
-        if not pending or self._micro_sq is None:
+    def _add_small(self, grad: torch.Tensor) -> None:
+        if not self._adding or self._fresh:
             return
-        self._micro_sq.append(_sum_of_squares(pending))  # backward's gradients need no detach
+        pending = self._pending
+        pending.append(grad)
+        if len(pending) >= FLUSH:
+            self._pending = []
+            self._sums.add_flat(pending)  # type: ignore[union-attr]  # backward's gradients need no detach
 
     @override
     def after_backward(self, ctx: Context) -> None:
-        self._flush()
-        if self._micro_sq is not None:
-            self._small_sqs.append((self._micro_sq, self._micro_unscale))
-            self._small_items.append(self._micro_items)
-            self._micro_sq = None
+        if not self._adding or self._sums is None:
+            return
+        if self._fresh:
+            self._sums.add_all([], [param.grad for param in self._small if param.grad is not None])
+        elif self._pending:
+            self._sums.add_flat(self._pending)
+        self._sums.finish()
+        self._pending, self._adding, self._fresh = [], False, False
 
     @override
     def gradient_ready(self, ctx: Context) -> None:
@@ -180,27 +269,31 @@ class NoiseScale(Feature):
 
     def _update(self, ctx: Context) -> None:
         """Fold this step's micro-batch gradients and their (reduced, normalized) mean into the estimator."""
-        small, self._small_sqs = self._small_sqs, []
+        count, self._backwards = self._backwards, 0
+        unscales, self._unscales = self._unscales, []
         items, self._small_items = self._small_items, []
-        grads = [param.grad for param in self._params if param.grad is not None]
-        if not small or not grads:
+        large, small = self._grads()
+        sums = self._sums
+        if not count or not (large or small) or sums is None:
             return
-        sizes = torch.stack([torch.as_tensor(n, dtype=torch.float32).reshape(()).cpu() for n in items])
-        bearing = sizes > 0  # a micro-batch without items (no loss-bearing token) holds no gradient sample
-        if int(bearing.sum()) == 0:
+        sums.start(count)
+        sums.add_all(large, small)
+        sums.finish()
+        # one transfer to the host per optimizer step: the sums, and whatever unscales and items are tensors
+        squares, unscales, items = _on_host(sums.buffer, unscales, items)
+        bearing = [i for i in range(count) if items[i] > 0]  # a micro-batch without items holds no gradient sample
+        if not bearing:
             return
-        big_sq = _sum_of_squares(grads)
-        small_sq = _micro_batch_squares(small, big_sq.device)[bearing.to(big_sq.device)].mean()
+        small_sq = sum(squares[i] * unscales[i] ** 2 for i in bearing) / len(bearing)
         scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
         if scaler is not None and scaler.is_enabled():  # the scale the window's backwards ran with
             small_sq = small_sq / scaler.get_scale() ** 2
-        values = torch.stack([small_sq, big_sq.to(small_sq.device)]).tolist()  # one host sync per optimizer step
-        inverse_small = float((1.0 / sizes[bearing]).mean())
+        inverse_small = sum(1.0 / items[i] for i in bearing) / len(bearing)
         # the step is the mean over every item of the window on every rank (item weighting), or else the mean of the
         # micro-batches' means over every rank
-        big = ctx.window_items if ctx.window_items is not None else len(small) * ctx.world_size / inverse_small
-        self._estimator.update(values[0], values[1], inverse_small, big)
-        self._batch = (big, len(small))
+        big = ctx.window_items if ctx.window_items is not None else count * ctx.world_size / inverse_small
+        self._estimator.update(small_sq, squares[count], inverse_small, big)
+        self._batch = (big, count)
 
     @override
     def window_closed(self, ctx: Context) -> None:
@@ -216,8 +309,10 @@ class NoiseScale(Feature):
     def fit_end(self, ctx: Context) -> None:
         for hook in self._hooks.values():
             hook.remove()
-        self._hooks, self._params, self._small_sqs, self._small_items = {}, [], [], []
-        self._micro_sq, self._pending = None, []
+        self._hooks, self._large, self._small, self._unhooked, self._module = {}, [], [], [], None
+        self._unscales, self._small_items = [], []
+        self._sums, self._adding, self._pending, self._backwards, self._fresh = None, False, [], 0, False
+        self._device = None
 
     @override
     def state_dict(self) -> dict[str, Any]:
