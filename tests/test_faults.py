@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
 from tests.helpers import LR, RegressionModule, ResumableLoader, make_data, max_deviation, trainer, weights
@@ -236,3 +236,20 @@ def test_resuming_mid_epoch_with_a_loader_without_state_warns(tmp_path):
         trainer([_callback(), FaultCallback(fault)], max_epochs=2).fit(Module(), plain)
     with pytest.warns(UserWarning, match=r"resuming in the middle of an epoch \(after batch 6\).*no `state_dict`"):
         trainer([_callback()], max_epochs=2).fit(Module(), plain, ckpt_path=tmp_path / CHECKPOINT)
+
+
+def test_a_reloaded_loader_with_state_is_kept_for_the_window_it_feeds(tmp_path):
+    """A plain loader in epoch 0, then (reloaded each epoch) one with ``state_dict``: whether a loader has state is
+    asked of each loader object, so a checkpoint inside epoch 1's window of batches 3-5 holds the state at batch 3."""
+
+    class Reloading(Module):
+        def train_dataloader(self):
+            data = TensorDataset(*make_data(40))
+            return ResumableLoader(data, batch_size=4) if self.trainer.current_epoch else DataLoader(data, batch_size=4)
+
+    fault = Fault("on_after_backward", 4, tmp_path / CHECKPOINT, epoch=1)
+    failing = trainer([_callback(), FaultCallback(fault)], max_epochs=2, reload_dataloaders_every_n_epochs=1)
+    with pytest.raises(Injected):
+        failing.fit(Reloading(fault))
+    checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed": 3}]

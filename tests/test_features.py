@@ -16,17 +16,20 @@ from torch import nn
 
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
+from lightning_accum.features import noise_scale as noise_scale_module
 from lightning_accum.window import Window
 from tests.helpers import make_data, make_net, make_tokens, token_loss
 
 
-def drive(features: Features, ctx: Context, net: nn.Module, batches: list[Any], loss_fn: Any) -> None:
+def drive(
+    features: Features, ctx: Context, net: nn.Module, batches: list[Any], loss_fn: Any, set_to_none: bool = True
+) -> None:
     """One window over ``batches``, with the events in the order the callback dispatches them around Lightning's."""
     ctx.module = net
     ctx.window = Window()
     ctx.window.open(len(batches))
     features.dispatch(Event.WINDOW_OPENED, ctx)
-    net.zero_grad(set_to_none=True)
+    net.zero_grad(set_to_none=set_to_none)
     for batch in batches:
         ctx.window.take(ends_epoch=False)
         ctx.batch = batch
@@ -116,6 +119,8 @@ def test_sample_weighting_makes_the_window_step_on_the_mean_over_its_samples(siz
     drive(Features([ItemWeighting("sample")]), ctx, net, batches, mse)
     assert_close(grads(net), big_batch_grads(mse(reference, (x, y)), reference))
     assert ctx.window_items == sum(sizes)
+    # micro-batches of one size weigh what Lightning's division gave them: the gradient is left untouched
+    assert (ctx.gradient_scale == 1.0) == (len(set(sizes)) == 1)
 
 
 def test_token_weighting_makes_the_window_step_on_the_mean_over_its_tokens():
@@ -212,6 +217,62 @@ def test_noise_scale_matches_the_unbiased_estimators_computed_directly():
     trace = b * n * (s_small - s_big) / (n - 1)
     assert ctx.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
     assert ctx.noise_batch == (pytest.approx(24.0), 4)
+
+
+def _noise_scale_reference(net: nn.Module, batches: list[Any]) -> float:
+    """McCandlish et al.'s A.1 from each micro-batch's mean-loss gradient and the window's, in plain PyTorch."""
+    small = [torch.cat([g.flatten() for g in big_batch_grads(mse(net, b), net)]) for b in batches]
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    big = torch.cat([g.flatten() for g in big_batch_grads(mse(net, (x, y)), net)])
+    n, b = len(batches), len(batches[0][0])
+    s_small = torch.stack([(g @ g) for g in small]).mean().item()
+    s_big = (big @ big).item()
+    return (b * n * (s_small - s_big) / (n - 1)) / ((n * s_big - s_small) / (n - 1))
+
+
+@pytest.mark.parametrize("micro_batches", [3, 12], ids=["3-backwards", "12-backwards"])
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
+def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(set_to_none, micro_batches):
+    # a weight of 256 x 128 is squared in its hook (LARGE), the others flattened together; the window's first
+    # backward is read from .grad when the gradients were set to None, from the hooks when they were zeroed; 12
+    # backwards outgrow the sums' first buffer
+    assert 256 * 128 >= noise_scale_module.LARGE > 128
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1))
+    x = torch.randn(16 * micro_batches, 256)
+    y = x[:, :1] * 3.0 + 0.3 * torch.randn(16 * micro_batches, 1)  # a signal: |G|^2 well above the noise
+    batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * micro_batches, 16)]
+    for param in net.parameters():
+        param.grad = torch.ones_like(param)  # a previous window's, zeroed in place or set to None by drive
+    ctx = Context()
+    drive(Features([NoiseScale(decay=0.0)]), ctx, net, batches, mse, set_to_none=set_to_none)
+    expected = _noise_scale_reference(net, batches)
+    assert expected > 0
+    assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
+
+
+def test_noise_scale_leaves_autograd_the_gradient_it_computed():
+    """The window's first backward into gradients set to None: no hook holds a gradient, so autograd keeps the
+    tensor it computed as ``.grad`` instead of copying it (as it must for a gradient something else still holds)."""
+    net = make_net()
+    features, ctx = Features([NoiseScale()]), Context(module=net)
+    ctx.window.open(2)
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    computed: dict[int, int] = {}
+
+    def observer(key: int) -> Any:
+        return lambda grad: computed.__setitem__(key, grad.data_ptr())
+
+    for param in net.parameters():  # registered after the feature's hooks: sees the gradient they saw
+        param.register_hook(observer(id(param)))
+    x, y = make_data(4)
+    ctx.window.take(ends_epoch=False)
+    ctx.batch, ctx.loss_divisor = (x, y), 2.0
+    features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+    features.dispatch(Event.BEFORE_BACKWARD, ctx)
+    (mse(net, (x, y)) / 2).backward()
+    features.dispatch(Event.AFTER_BACKWARD, ctx)
+    assert all(param.grad.data_ptr() == computed[id(param)] for param in net.parameters())
 
 
 def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publishes():

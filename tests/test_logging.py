@@ -100,8 +100,26 @@ def test_any_logger_receives_the_metrics(tmp_path):
     rows = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     assert {"accum/factor", "accum/window_loss", "accum/lr"} <= set(header)
-    steps = [row.split(",")[header.index("step")] for row in rows[1:] if row.split(",")[header.index("accum/factor")]]
+    logged = [row.split(",") for row in rows[1:] if row.split(",")[header.index("accum/factor")]]
+    steps = [row[header.index("step")] for row in logged]
     assert steps == ["2", "4", "6"]  # every `log_every_n_steps` optimizer steps, as Lightning logs
+    # the window loss is summed only in windows that end in a logged step: those windows' mean loss, in plain PyTorch
+    import torch
+    from torch import nn
+
+    from tests.helpers import make_net
+
+    net = make_net(1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    expected = []
+    for start in range(0, 48, 8):
+        optimizer.zero_grad()
+        loss = sum(nn.functional.mse_loss(net(x[i : i + 4]), y[i : i + 4]) for i in (start, start + 4)) / 2
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    window_losses = [float(row[header.index("accum/window_loss")]) for row in logged]
+    assert window_losses == pytest.approx(expected[1::2], rel=1e-5)
 
 
 def test_accum_lr_is_the_lr_each_step_really_used(tmp_path):

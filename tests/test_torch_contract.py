@@ -1,8 +1,9 @@
-"""The torch-private FSDP2 state that lightning_accum/sync.py reads and clears (torch 2.13).
+"""The torch-private names lightning_accum relies on (torch 2.13).
 
-If these fail after a torch upgrade, ``fsdp2_pending_gradients`` and ``drop_fsdp2_pending_gradients`` must be
-revisited: an abandoned window's gradients would leak into the next one, or a step on unreduced gradients would go
-unnoticed.
+The FSDP2 state that lightning_accum/sync.py reads and clears: if these fail after a torch upgrade,
+``fsdp2_pending_gradients`` and ``drop_fsdp2_pending_gradients`` must be revisited (an abandoned window's gradients
+would leak into the next one, or a step on unreduced gradients would go unnoticed). And
+``torch._utils._flatten_dense_tensors``, with which the noise scale squares many small gradients in one dot.
 """
 
 from __future__ import annotations
@@ -71,3 +72,15 @@ def test_dropping_pending_gradients_forgets_the_abandoned_micro_steps(one_rank_m
     reference = _sharded(one_rank_mesh)
     reference(x[3:]).sum().backward()  # only the new window
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_grads(net), _grads(reference), strict=True))
+
+
+def test_flatten_dense_tensors_concatenates_any_shapes_and_layouts_into_one_new_vector():
+    from torch._utils import _flatten_dense_tensors
+
+    tensors = [torch.arange(6.0).reshape(2, 3).t(), torch.tensor([7.0]), torch.ones(2, 2, dtype=torch.bfloat16)]
+    flat = _flatten_dense_tensors(tensors)
+    assert flat.dim() == 1
+    assert flat.dtype == torch.float32  # promoted to the widest dtype
+    assert flat.tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0, 7.0, 1.0, 1.0, 1.0, 1.0]
+    flat.zero_()
+    assert tensors[1].item() == 7.0  # a copy: the gradients are untouched
