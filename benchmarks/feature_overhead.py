@@ -2,14 +2,14 @@
 
     python benchmarks/feature_overhead.py          # three tables, writes feature_overhead.json
 
-1. Fixed overhead, on a tiny model where it dominates (Linear(32, 32), micro-batch 8, factor 4, 100 optimizer steps,
+1. Fixed overhead, on a tiny model where it dominates (Linear(32, 32), micro-batch 8, factor 4, 300 optimizer steps,
    a CSVLogger with Lightning's default ``log_every_n_steps``): stock ``Trainer(accumulate_grad_batches=4)``, the
    callback with nothing on, with its logging, with sample weighting, with LR scaling, with the noise scale, and with
    all of them; and a raw PyTorch loop. Every configuration runs once per round, in rotated order, for ``--rounds``
    rounds; each ratio is taken round by round against the round's stock run (the noise scale against the callback
    with nothing on) and its median reported with its range.
 2. The noise scale against the number of parameter tensors (16 to 2048 tensors of a stack of Linear(4, 4)): the
-   extra time per micro-step, per tensor.
+   extra time per micro-step, per tensor (the median over the rounds of on minus off).
 3. The compute-bound MLP of the other benchmarks (4 x Linear(1024, 1024), micro-batch 64): logging against stock,
    the noise scale on against off.
 
@@ -19,7 +19,10 @@ Times are of the training loop only (``on_train_start`` to ``on_train_end``), pe
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -133,16 +136,43 @@ def noise_pair(tensors: int) -> dict[str, Callable[[], float]]:
 
 
 def rounds(measures: dict[str, Callable[[], float]], count: int) -> dict[str, list[float]]:
-    """Each measure once per round, in an order rotated every round, after one warm-up of each."""
+    """Each measure once per round, in an order rotated every round, each in a process of its own."""
     names = list(measures)
-    for name in names:
-        measures[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(count):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(measures[name]())
+            times[name].append(isolated(measures[name]))
     return times
+
+
+def isolated(measure: Callable[[], float]) -> float:
+    """``measure()`` in a child forked from this process: a warm-up run, then the timed one.
+
+    Every measurement starts from the same heap: in one long process, what earlier configurations allocated and
+    freed changes how later ones page-fault (glibc adapts its thresholds), by more than the differences measured.
+    The parent's objects are frozen out of the garbage collector before the fork, and the child collects once after
+    its warm-up, so that no collection in the timed run copies the pages it shares with the parent.
+    """
+    gc.freeze()
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+
+    def child() -> None:
+        measure()
+        gc.collect()
+        writer.send(measure())
+
+    process = context.Process(target=child)
+    process.start()
+    writer.close()  # the child's copy stays open: recv fails at once if the child dies without sending
+    try:
+        seconds = reader.recv()
+    except EOFError:
+        raise RuntimeError(f"the measurement's process exited with {process.exitcode} (see its error above)") from None
+    finally:
+        process.join()
+    return float(seconds)
 
 
 def ratio(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
@@ -175,7 +205,7 @@ def main() -> None:
 def tiny_table(count: int) -> list[dict[str, Any]]:
     """Fixed overhead per feature on the tiny model, against stock and a raw loop."""
 
-    data = loader(32, 8, 100)
+    data = loader(32, 8, 300)
     configs: dict[str, dict[str, Any] | None] = {
         "stock": None,
         "nothing on": {"log_metrics": False},
@@ -186,7 +216,7 @@ def tiny_table(count: int) -> list[dict[str, Any]]:
         "all": {"normalize_by": "sample", "lr_scaling": "linear", "noise_scale": True},
     }
     measures: dict[str, Callable[[], float]] = {
-        name: (lambda options=options: lightning_seconds(tiny, data, options)) for name, options in configs.items()
+        name: functools.partial(lightning_seconds, tiny, data, options) for name, options in configs.items()
     }
     measures["raw PyTorch"] = lambda: raw_seconds(tiny, data)
     times = rounds(measures, count)
@@ -212,9 +242,10 @@ def tensors_table(count: int) -> list[dict[str, Any]]:
     print("| ---: | ---: | ---: | ---: |")
     per_tensor = []
     for tensors in (16, 128, 512, 2048):
-        pair = rounds(noise_pair(tensors), max(3, count // 2))
+        pair = rounds(noise_pair(tensors), count)
         off, on = statistics.median(pair["off"]), statistics.median(pair["on"])
-        extra_us = max(0.0, on - off) / tensors * 1e6
+        # the median of the rounds' differences: each round's pair ran back to back
+        extra_us = statistics.median(b - a for a, b in zip(pair["off"], pair["on"], strict=True)) / tensors * 1e6
         print(f"| {tensors} | {off * 1e3:.2f} | {on * 1e3:.2f} | {extra_us:.2f} us |")
         per_tensor.append({"tensors": tensors, "off_ms": off * 1e3, "on_ms": on * 1e3, "us_per_tensor": extra_us})
     return per_tensor
@@ -222,7 +253,7 @@ def tensors_table(count: int) -> list[dict[str, Any]]:
 
 def compute_bound_table(count: int) -> dict[str, Any]:
     """Logging against stock and the noise scale on against off, on the compute-bound MLP."""
-    big = loader(1024, 64, 8)
+    big = loader(1024, 64, 32)
     times = rounds(
         {
             "stock": lambda: lightning_seconds(mlp, big, None),

@@ -230,13 +230,19 @@ def _noise_scale_reference(net: nn.Module, batches: list[Any]) -> float:
     return (b * n * (s_small - s_big) / (n - 1)) / ((n * s_big - s_small) / (n - 1))
 
 
+@pytest.mark.parametrize("staging", [None, 200], ids=["staged", "staging-full"])
 @pytest.mark.parametrize("micro_batches", [3, 12], ids=["3-backwards", "12-backwards"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
-def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(set_to_none, micro_batches):
-    # a weight of 256 x 128 is squared in its hook (LARGE), the others flattened together; the window's first
-    # backward is read from .grad when the gradients were set to None, from the hooks when they were zeroed; 12
-    # backwards outgrow the sums' first buffer
+def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(
+    set_to_none, micro_batches, staging, monkeypatch
+):
+    # a weight of 256 x 128 is squared in its hook (LARGE), the small ones staged (or, when the staging vector holds
+    # only 200 elements, the second layer's 128-element weight squared in its hook too); the window's first backward
+    # is read from .grad when the gradients were set to None, from the hooks when they were zeroed; 12 backwards
+    # outgrow the sums' first buffer
     assert 256 * 128 >= noise_scale_module.LARGE > 128
+    if staging is not None:
+        monkeypatch.setattr(noise_scale_module, "STAGING", staging)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1))
     x = torch.randn(16 * micro_batches, 256)
@@ -249,6 +255,36 @@ def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(set_to
     expected = _noise_scale_reference(net, batches)
     assert expected > 0
     assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
+
+
+def test_noise_scale_counts_a_parameter_without_a_gradient_as_zero():
+    """A head that only some micro-batches use: its place in the staging vector must not keep an earlier gradient."""
+    torch.manual_seed(0)
+    heads = nn.ModuleList([nn.Linear(5, 1), nn.Linear(5, 1)])
+
+    def loss_fn(net: nn.Module, batch: Any) -> torch.Tensor:
+        x, y, head = batch
+        return nn.functional.mse_loss(net[head](x), y)
+
+    x, y = make_data(32, seed=4)
+    batches = [(x[i : i + 8], y[i : i + 8], head) for i, head in zip(range(0, 32, 8), (0, 1, 1, 0), strict=True)]
+    ctx = Context()
+    drive(Features([NoiseScale(decay=0.0)]), ctx, heads, batches, loss_fn)
+
+    def flat_grad(loss: torch.Tensor) -> torch.Tensor:
+        params = list(heads.parameters())
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        filled = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        return torch.cat([g.flatten() for g in filled])
+
+    small = [flat_grad(loss_fn(heads, batch)) for batch in batches]
+    big = torch.stack(small).mean(0)  # the window's mean gradient: Lightning's division by the window's size
+    n, b = 4, 8
+    s_small = torch.stack([g @ g for g in small]).mean().item()
+    s_big = (big @ big).item()
+    grad_sq, trace = (n * s_big - s_small) / (n - 1), b * n * (s_small - s_big) / (n - 1)
+    assert grad_sq > 0
+    assert ctx.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
 
 
 def test_noise_scale_leaves_autograd_the_gradient_it_computed():

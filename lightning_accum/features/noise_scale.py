@@ -1,18 +1,20 @@
 """The gradient noise scale (``noise_scale=True``), measured from the micro-batch gradients accumulation computes.
 
-Each micro-batch's squared gradient norm is added up on the device, in float32, into one accumulator per micro-batch:
+Each micro-batch's squared gradient norm is summed on the device, in float32, into a slot of its own
+(:class:`SquareSums`), with nothing moved to the host until the optimizer step:
 
+- one hook per trainable parameter takes its gradient as backward produces it: a large one (``LARGE`` elements or
+  more) is squared at once with one dot; a small one is copied into its place in a float32 staging vector of all the
+  small parameters (at most ``STAGING`` elements), squared with one dot after the backward. No hook keeps a
+  gradient: autograd frees each as it would without the estimate, so the allocator sees the same pattern (a small
+  gradient held across backward's large allocations makes glibc page-fault megabytes per micro-step);
 - where ``.grad`` holds nothing before a backward (the window's first one, gradients set to ``None``) and that backward
-  reduces nothing across ranks, it is read from ``.grad`` after the backward: a few fused kernels, no hook at work;
-- otherwise one hook per trainable parameter takes the gradient as backward produces it: a large one's squared norm
-  at once (one dot), small ones flattened ``FLUSH`` at a time into one dot. No gradient is kept beyond a flush
-  (at most ``FLUSH`` small ones are held a little longer than backward would), and no result tensor outlives its
-  addition, so the allocator sees what it would without the estimate.
+  reduces nothing across ranks, the small gradients are read from ``.grad`` after it instead: a flatten and a dot.
 
 Once the window's gradient is its mean, its squared norm joins the micro-batch ones in the estimator of
 :mod:`lightning_accum.noise`. The hooked gradient is that of the loss Lightning backpropagates, so each micro-batch's
-sum is unscaled by ``ctx.loss_divisor`` (kept on the device: no host synchronisation per micro-step) and the AMP loss
-scale, constant over a window, is taken out once per step, with the one transfer to the host of the step.
+sum is unscaled by ``ctx.loss_divisor`` and the AMP loss scale, constant over a window, is taken out once per step,
+with the step's one transfer to the host.
 
 Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them; publishes ``ctx.noise_scale`` and
 ``ctx.noise_batch`` at ``GRADIENT_READY``.
@@ -31,8 +33,9 @@ from lightning_accum.events import Context, Feature
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
 
-FLUSH = 64  # small gradients flattened together into one dot
+FLUSH = 64  # small gradients flattened together into one dot, when read from .grad
 LARGE = 1 << 14  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
+STAGING = 1 << 20  # float32 elements of the staging vector of the small gradients (4 MiB at most)
 
 
 class SquareSums:
@@ -151,7 +154,9 @@ class NoiseScale(Feature):
         self._module: Any = None  # the module whose parameters were listed
         self._unhooked: list[torch.Tensor] = []  # its parameters not hooked yet (frozen so far)
         self._large: list[torch.Tensor] = []  # hooked parameters whose gradients are squared one by one
-        self._small: list[torch.Tensor] = []  # hooked parameters whose gradients are flattened FLUSH at a time
+        self._small: list[torch.Tensor] = []  # hooked parameters whose gradients are staged
+        self._staging: torch.Tensor | None = None  # float32, the small parameters' gradients side by side
+        self._views: list[torch.Tensor] = []  # each small parameter's place in it, in its shape
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
         self._device: torch.device | None = None  # the first hooked parameter's
@@ -159,9 +164,10 @@ class NoiseScale(Feature):
         self._backwards = 0  # backwards of this window so far: the next one's slot
         self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
         self._fresh = False  # whether the backward in progress writes into empty gradients (read afterwards)
+        self._staging_now = False  # whether the small parameters' hooks copy their gradients now
+        self._staged: list[int] = []  # which of them did, in the backward in progress
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
         self._small_items: list[Any] = []
-        self._pending: list[torch.Tensor] = []  # small gradients of the backward in progress, not yet added
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
@@ -184,7 +190,7 @@ class NoiseScale(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
-        self._unscales, self._small_items, self._pending = [], [], []  # nothing of a dropped window survives
+        self._unscales, self._small_items = [], []  # nothing of a dropped window survives
         self._backwards, self._adding = 0, False
         if self._module is not ctx.module:  # the module's parameters, listed once per fit
             self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
@@ -192,16 +198,28 @@ class NoiseScale(Feature):
             self._hook(self._unhooked)
 
     def _hook(self, params: list[torch.Tensor]) -> None:
-        """Hook the trainable ``params``: a large gradient is squared at once, a small one joins the next flatten."""
+        """Hook the trainable ``params``: a large gradient is squared at once, a small one staged."""
+        staged = sum(param.numel() for param in self._small)
         for param in params:
             if not param.requires_grad:
                 continue
             if self._device is None:
                 self._device = param.device  # where the sums are kept
-            small = param.numel() < LARGE and param.device == self._device
-            self._hooks[id(param)] = param.register_hook(self._add_small if small else self._add_large)
-            (self._small if small else self._large).append(param)
+            small = param.numel() < LARGE and param.device == self._device and staged + param.numel() <= STAGING
+            if small:
+                hook: Any = self._stager(len(self._small))
+                self._small.append(param)
+                staged += param.numel()
+            else:
+                hook = self._add_large
+                self._large.append(param)
+            self._hooks[id(param)] = param.register_hook(hook)
         self._unhooked = [param for param in self._unhooked if id(param) not in self._hooks]
+        self._staging = torch.zeros(staged, device=self._device) if self._small else None
+        self._views, offset = [], 0
+        for param in self._small:
+            self._views.append(self._staging[offset : offset + param.numel()].view(param.shape))  # type: ignore[index]
+            offset += param.numel()
 
     def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The gradients of the hooked parameters that have one: (large, small)."""
@@ -233,7 +251,7 @@ class NoiseScale(Feature):
             and (ctx.world_size == 1 or not ctx.window.closed)
             and all(param.grad is None for param in self._small)
         )
-        self._adding = True
+        self._adding, self._staging_now, self._staged = True, not self._fresh and self._staging is not None, []
         self._unscales.append(ctx.loss_divisor)
         self._small_items.append(self._micro_items)
         self._backwards += 1
@@ -242,25 +260,29 @@ class NoiseScale(Feature):
         if self._adding:
             self._sums.add(grad)  # type: ignore[union-attr]
 
-    def _add_small(self, grad: torch.Tensor) -> None:
-        if not self._adding or self._fresh:
-            return
-        pending = self._pending
-        pending.append(grad)
-        if len(pending) >= FLUSH:
-            self._pending = []
-            self._sums.add_flat(pending)  # type: ignore[union-attr]  # backward's gradients need no detach
+    def _stager(self, index: int) -> Any:
+        """The hook of the ``index``-th small parameter."""
+
+        def stage(grad: torch.Tensor) -> None:
+            if self._staging_now:
+                self._views[index].copy_(grad)  # a copy into place: the gradient itself is not kept
+                self._staged.append(index)
+
+        return stage
 
     @override
     def after_backward(self, ctx: Context) -> None:
         if not self._adding or self._sums is None:
             return
+        staged, self._staged = self._staged, []
         if self._fresh:
             self._sums.add_all([], [param.grad for param in self._small if param.grad is not None])
-        elif self._pending:
-            self._sums.add_flat(self._pending)
+        elif len(staged) == len(self._views) and self._staging is not None:
+            self._sums.add(self._staging)  # every small gradient in place: one dot
+        elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
+            self._sums.add_all([], [self._views[index] for index in staged])
         self._sums.finish()
-        self._pending, self._adding, self._fresh = [], False, False
+        self._adding, self._fresh, self._staging_now = False, False, False
 
     @override
     def gradient_ready(self, ctx: Context) -> None:
@@ -311,7 +333,9 @@ class NoiseScale(Feature):
             hook.remove()
         self._hooks, self._large, self._small, self._unhooked, self._module = {}, [], [], [], None
         self._unscales, self._small_items = [], []
-        self._sums, self._adding, self._pending, self._backwards, self._fresh = None, False, [], 0, False
+        self._sums, self._adding, self._backwards, self._fresh, self._staging_now = None, False, 0, False, False
+        self._staged = []
+        self._staging, self._views = None, []
         self._device = None
 
     @override
