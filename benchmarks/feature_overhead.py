@@ -5,7 +5,8 @@
 1. Fixed overhead, on a tiny model where it dominates (Linear(32, 32), micro-batch 8, factor 4, 300 optimizer steps,
    a CSVLogger with Lightning's default ``log_every_n_steps``): stock ``Trainer(accumulate_grad_batches=4)``, the
    callback with nothing on, with its logging, with sample weighting, with LR scaling, with the noise scale, and with
-   all of them; and a raw PyTorch loop. Every configuration runs once per round, in rotated order, for ``--rounds``
+   all of them; stock with a ``Callback`` that does nothing (what Lightning's dispatch of one more callback costs);
+   and a raw PyTorch loop. Every configuration runs once per round, in rotated order, for ``--rounds``
    rounds; each ratio is taken round by round against the round's stock run (the noise scale against the callback
    with nothing on) and its median reported with its range.
 2. The noise scale against the number of parameter tensors (16 to 2048 tensors of a stack of Linear(4, 4)): the
@@ -85,14 +86,19 @@ def loader(width: int, micro_batch: int, steps: int) -> DataLoader:
     return DataLoader(TensorDataset(data), batch_size=micro_batch)
 
 
-def lightning_seconds(net: Callable[[], nn.Module], data: DataLoader, options: dict[str, Any] | None) -> float:
-    """Seconds per micro-step: stock accumulation when ``options`` is None, else the callback with them."""
+def lightning_seconds(
+    net: Callable[[], nn.Module], data: DataLoader, options: dict[str, Any] | None, empty: bool = False
+) -> float:
+    """Seconds per micro-step: stock accumulation when ``options`` is None (with a callback that does nothing if
+    ``empty``: what Lightning's dispatch of one more callback costs), else the callback with ``options``."""
     timer = Timer()
     callbacks: list[pl.Callback] = [timer]
     extra: dict[str, Any] = {"accumulate_grad_batches": FACTOR}
     if options is not None:
         callbacks.insert(0, AccumulationScheduler({0: FACTOR}, **options))
         extra = {}
+    elif empty:
+        callbacks.insert(0, pl.Callback())
     with tempfile.TemporaryDirectory() as logs:
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -218,6 +224,7 @@ def tiny_table(count: int) -> list[dict[str, Any]]:
     measures: dict[str, Callable[[], float]] = {
         name: functools.partial(lightning_seconds, tiny, data, options) for name, options in configs.items()
     }
+    measures["a callback doing nothing"] = functools.partial(lightning_seconds, tiny, data, None, True)
     measures["raw PyTorch"] = lambda: raw_seconds(tiny, data)
     times = rounds(measures, count)
     tiny_rows = []
