@@ -139,6 +139,17 @@ def test_the_noise_scale_under_ddp_converges_to_the_exact_value(ddp):
     assert rank0["noise_scale"] == pytest.approx(exact, rel=0.25)
 
 
+def test_the_noise_scale_squares_each_ranks_own_micro_batch_gradients_whatever_the_sync_policy(ddp):
+    """With DDP reducing inside every backward (gradient_sync="every"), .grad after a backward holds the ranks' mean:
+    the window's first micro-batch is then measured from its hooks, not from .grad, and the estimate is the one of
+    gradient_sync="last" (the same frozen model, data and micro-batches)."""
+    every, _ = _records(ddp, "noise_frozen_k4_every")
+    last, _ = _records(ddp, "noise_frozen_k4")
+    assert every["noise_scale"] is not None
+    assert every["noise_trace"] == pytest.approx(last["noise_trace"], rel=1e-5)
+    assert every["noise_grad_sq"] == pytest.approx(last["noise_grad_sq"], rel=1e-5)
+
+
 def test_adaptive_growth_is_decided_once_for_every_rank(ddp):
     rank0, rank1 = _records(ddp, "adaptive_k2")
     assert rank0["adaptive_factor"] >= 4  # it grew from 2

@@ -22,7 +22,13 @@ from tests.helpers import make_data, make_net, make_tokens, token_loss
 
 
 def drive(
-    features: Features, ctx: Context, net: nn.Module, batches: list[Any], loss_fn: Any, set_to_none: bool = True
+    features: Features,
+    ctx: Context,
+    net: nn.Module,
+    batches: list[Any],
+    loss_fn: Any,
+    set_to_none: bool = True,
+    create_graph: bool = False,
 ) -> None:
     """One window over ``batches``, with the events in the order the callback dispatches them around Lightning's."""
     ctx.module = net
@@ -38,7 +44,7 @@ def drive(
         returned = loss.detach().clone()  # what training_step's output holds, untouched by re-weighing
         ctx.loss, ctx.loss_divisor = loss, float(ctx.window.size)
         features.dispatch(Event.BEFORE_BACKWARD, ctx)
-        loss.backward()
+        loss.backward(create_graph=create_graph)
         features.dispatch(Event.AFTER_BACKWARD, ctx)
         if ctx.window.closed:
             ctx.gradient_scale = ctx.window.gradient_correction
@@ -230,11 +236,12 @@ def _noise_scale_reference(net: nn.Module, batches: list[Any]) -> float:
     return (b * n * (s_small - s_big) / (n - 1)) / ((n * s_big - s_small) / (n - 1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("staging", [None, 200], ids=["staged", "staging-full"])
 @pytest.mark.parametrize("micro_batches", [3, 12], ids=["3-backwards", "12-backwards"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
 def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(
-    set_to_none, micro_batches, staging, monkeypatch
+    set_to_none, micro_batches, staging, dtype, monkeypatch
 ):
     # a weight of 256 x 128 is squared in its hook (LARGE), the small ones staged (or, when the staging vector holds
     # only 200 elements, the second layer's 128-element weight squared in its hook too); the window's first backward
@@ -244,9 +251,10 @@ def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(
     if staging is not None:
         monkeypatch.setattr(noise_scale_module, "STAGING", staging)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1))
+    net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1)).to(dtype)
     x = torch.randn(16 * micro_batches, 256)
-    y = x[:, :1] * 3.0 + 0.3 * torch.randn(16 * micro_batches, 1)  # a signal: |G|^2 well above the noise
+    y = (x[:, :1] * 3.0 + 0.3 * torch.randn(16 * micro_batches, 1)).to(dtype)  # a signal: |G|^2 above the noise
+    x = x.to(dtype)
     batches = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * micro_batches, 16)]
     for param in net.parameters():
         param.grad = torch.ones_like(param)  # a previous window's, zeroed in place or set to None by drive
@@ -285,6 +293,39 @@ def test_noise_scale_counts_a_parameter_without_a_gradient_as_zero():
     grad_sq, trace = (n * s_big - s_small) / (n - 1), b * n * (s_small - s_big) / (n - 1)
     assert grad_sq > 0
     assert ctx.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
+
+
+class SharedTwice(nn.Module):
+    """A layer used twice, optionally under reentrant checkpointing (which backpropagates each use on its own)."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.shared, self.head = nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 1)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = torch.tanh(self.first(x))
+        for _ in range(2):
+            x = torch.tanh(checkpoint(self.shared, x, use_reentrant=True) if self.checkpointed else self.shared(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("case", ["reentrant-checkpointing", "create-graph"])
+def test_noise_scale_under_reentrant_checkpointing_of_a_shared_layer_and_create_graph(case):
+    """Reentrant checkpointing of a layer used twice fires its hooks once per use, each with a part of the micro-batch's
+    gradient; a backward with ``create_graph=True`` (second-order optimizers) hands them gradients that require grad."""
+    x, y = make_data(128, seed=7)
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 128, 32)]
+    ctx = Context()
+    net = SharedTwice(checkpointed=case == "reentrant-checkpointing")
+    # gradients zeroed, not set to None: every backward goes through the hooks
+    drive(Features([NoiseScale(decay=0.0)]), ctx, net, batches, mse, False, create_graph=case == "create-graph")
+    expected = _noise_scale_reference(SharedTwice(checkpointed=False), batches)
+    assert expected > 0
+    assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
 
 
 def test_noise_scale_leaves_autograd_the_gradient_it_computed():

@@ -36,7 +36,8 @@ class Metrics(Feature):
         self._started = 0.0
         self._batch: tuple[int, int] | None = None  # (factor, effective batch) of the last window, this fit
         self._layout_written = False  # written with the first step's metrics: charts for what this run logs
-        self._logging = False  # whether the window in progress ends in a logged step
+        self._step = 0  # the optimizer step the window in progress ends in
+        self._logging = False  # whether that step is logged
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -47,7 +48,8 @@ class Metrics(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         self._loss, self._items, self._started = None, 0, time.perf_counter()
-        self._logging = self._logs(ctx, ctx.optimizer_steps + 1)  # the window's step: its loss is summed only then
+        self._step = ctx.optimizer_steps + 1  # the step this window takes
+        self._logging = self._logs(ctx, self._step)  # its loss is summed only if that step is logged
         batch = (ctx.factor, ctx.effective_batch(ctx.factor))
         changes = []
         if self._batch is not None and batch != self._batch:
@@ -93,7 +95,7 @@ class Metrics(Feature):
             effective = ctx.effective_batch(ctx.window.taken)
             shown["factor"] = ctx.factor
             shown["eff_batch"] = effective if ctx.window.taken == ctx.factor else f"{effective} (short window)"
-        if not self._logs(ctx, ctx.optimizer_steps):
+        if ctx.optimizer_steps != self._step or not self._logging:  # no step taken (no backward), or not logged
             return
         loggers = ctx.trainer.loggers
         record = StepRecord(

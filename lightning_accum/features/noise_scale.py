@@ -74,14 +74,18 @@ class SquareSums:
     def add(self, tensor: torch.Tensor) -> None:
         """Add the squared entries of ``tensor`` to the slot."""
         slot = self._slot
+        if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
+            tensor = tensor.detach()
         if tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.device == slot.device:
             flat = tensor.view(-1)
             if self._written:
                 slot.add_(torch.dot(flat, flat))
             else:
                 torch.dot(flat, flat, out=slot)
-        else:  # a narrower dtype squared in float32, a strided one without a copy, another device's moved
-            value = torch.linalg.vector_norm(tensor, dtype=torch.float32).square().to(slot.device)
+        else:  # a narrower dtype squared in float32, a wider one in its own; a strided one without a copy
+            narrow = tensor.dtype in (torch.bfloat16, torch.float16)
+            norm = torch.linalg.vector_norm(tensor, dtype=torch.float32 if narrow else None)
+            value = norm.square().to(slot.device, torch.float32)
             slot.add_(value) if self._written else slot.copy_(value)
         self._written = True
 
@@ -113,6 +117,15 @@ def _on_host(sums: torch.Tensor, *columns: list[Any]) -> tuple[list[float], ...]
         values = iter(sums.tolist())
     host = [next(values) for _ in range(sums.numel())]
     return host, *([next(values) if isinstance(v, torch.Tensor) else float(v) for v in column] for column in columns)
+
+
+def _skips_reduction(ctx: Context) -> bool:
+    """Whether the backward about to run leaves the gradients unreduced across ranks.
+
+    DDP inside ``no_sync``, or with its reduction taken over for the window; ``False`` where that is unknown.
+    """
+    model = getattr(getattr(ctx.trainer, "strategy", None), "model", None)
+    return getattr(model, "require_backward_grad_sync", True) is False
 
 
 class NoiseScale(Feature):
@@ -166,6 +179,7 @@ class NoiseScale(Feature):
         self._fresh = False  # whether the backward in progress writes into empty gradients (read afterwards)
         self._staging_now = False  # whether the small parameters' hooks copy their gradients now
         self._staged: list[int] = []  # which of them did, in the backward in progress
+        self._seen = bytearray()  # the same, by index
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
         self._small_items: list[Any] = []
 
@@ -248,10 +262,12 @@ class NoiseScale(Feature):
         # regardless, while backward has just written them.
         self._fresh = (
             self._backwards == 0
-            and (ctx.world_size == 1 or not ctx.window.closed)
+            and (ctx.world_size == 1 or _skips_reduction(ctx))
             and all(param.grad is None for param in self._small)
         )
         self._adding, self._staging_now, self._staged = True, not self._fresh and self._staging is not None, []
+        if self._staging_now:
+            self._seen = bytearray(len(self._views))
         self._unscales.append(ctx.loss_divisor)
         self._small_items.append(self._micro_items)
         self._backwards += 1
@@ -264,9 +280,16 @@ class NoiseScale(Feature):
         """The hook of the ``index``-th small parameter."""
 
         def stage(grad: torch.Tensor) -> None:
-            if self._staging_now:
-                self._views[index].copy_(grad)  # a copy into place: the gradient itself is not kept
-                self._staged.append(index)
+            if not self._staging_now:
+                return
+            if grad.requires_grad:  # a backward with create_graph=True
+                grad = grad.detach()
+            if self._seen[index]:  # a second part of this backward's gradient (reentrant checkpointing)
+                self._views[index].add_(grad)
+                return
+            self._views[index].copy_(grad)  # a copy into place: the gradient itself is not kept
+            self._seen[index] = 1
+            self._staged.append(index)
 
         return stage
 

@@ -251,7 +251,12 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
     scheduler = next((c for c in trainer.callbacks if isinstance(c, AccumulationScheduler)), None)
     features = scheduler.features if scheduler is not None else {}
     if "noise_scale" in features:
-        record["noise_scale"] = features["noise_scale"].estimate.noise_scale
+        estimate = features["noise_scale"].estimate
+        record |= {
+            "noise_scale": estimate.noise_scale,
+            "noise_grad_sq": estimate.grad_sq,
+            "noise_trace": estimate.trace,
+        }
     if "adaptive" in features:
         record["adaptive_factor"] = features["adaptive"].factor
     if scheduler is not None and "micro_batch_size_found" in scheduler.state_dict():
@@ -288,6 +293,16 @@ CONFIGS = {
         "lr": 0.0,
         "num_samples": 1024,
         "epochs": 3,
+    },
+    # the same with DDP reducing on every micro-step: the micro-batch gradients the estimate squares are the same
+    "noise_frozen_k4_every": {
+        "mode": "ours",
+        "scheduling": {0: 4},
+        "noise_scale": True,
+        "lr": 0.0,
+        "num_samples": 1024,
+        "epochs": 3,
+        "gradient_sync": "every",
     },
     # the noise scale grows as the model converges: the factor grows, by rank zero's decision on every rank
     "adaptive_k2": {
