@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
-import multiprocessing
+import logging
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,57 +130,53 @@ def raw_seconds(net: Callable[[], nn.Module], data: DataLoader) -> float:
     return (time.perf_counter() - start) / len(data)
 
 
-def noise_pair(tensors: int) -> dict[str, Callable[[], float]]:
-    """The stack of ``tensors`` parameter tensors, trained with the noise scale off and on."""
-    data = loader(4, 8, 10)
-
-    def net() -> nn.Module:
-        return stack(tensors)
-
-    return {
-        "off": lambda: lightning_seconds(net, data, {"log_metrics": False}),
-        "on": lambda: lightning_seconds(net, data, {"log_metrics": False, "noise_scale": True}),
-    }
+MODELS: dict[str, tuple[Callable[[], nn.Module], int, int, int]] = {
+    # name: (net, width, micro-batch, optimizer steps)
+    "tiny": (tiny, 32, 8, 300),
+    "mlp": (mlp, 1024, 64, 32),
+    **{f"stack{n}": (functools.partial(stack, n), 4, 8, 10) for n in (16, 128, 512, 2048)},
+}
 
 
-def rounds(measures: dict[str, Callable[[], float]], count: int) -> dict[str, list[float]]:
-    """Each measure once per round, in an order rotated every round, each in a process of its own."""
-    names = list(measures)
+def measure(spec: dict[str, Any]) -> float:
+    """Seconds per micro-step of one configuration, in this process: a warm-up run, then the timed one.
+
+    ``spec``: ``model`` (a key of :data:`MODELS`), and ``raw`` (a raw PyTorch loop), or ``options`` (the callback's,
+    ``None`` for stock) and ``empty`` (stock with a callback that does nothing).
+    """
+    net, width, micro_batch, steps = MODELS[spec["model"]]
+    data = loader(width, micro_batch, steps)
+    if spec.get("raw"):
+        run = functools.partial(raw_seconds, net, data)
+    else:
+        run = functools.partial(lightning_seconds, net, data, spec.get("options"), spec.get("empty", False))
+    run()
+    return run()
+
+
+def isolated(spec: dict[str, Any]) -> float:
+    """:func:`measure` in a fresh interpreter.
+
+    Every measurement starts from a fresh process: in one long process (or in children forked from it), what earlier
+    configurations allocated and freed changes how later ones page-fault (glibc adapts its thresholds to the history
+    of the heap), by more than the differences measured here.
+    """
+    command = [sys.executable, str(Path(__file__).resolve()), "--measure", json.dumps(spec)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec} failed with exit code {done.returncode}:\n{done.stderr[-4000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def rounds(specs: dict[str, dict[str, Any]], count: int) -> dict[str, list[float]]:
+    """Each configuration once per round, in an order rotated every round, each in a process of its own."""
+    names = list(specs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(count):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(isolated(measures[name]))
+            times[name].append(isolated(specs[name]))
     return times
-
-
-def isolated(measure: Callable[[], float]) -> float:
-    """``measure()`` in a child forked from this process: a warm-up run, then the timed one.
-
-    Every measurement starts from the same heap: in one long process, what earlier configurations allocated and
-    freed changes how later ones page-fault (glibc adapts its thresholds), by more than the differences measured.
-    The parent's objects are frozen out of the garbage collector before the fork, and the child collects once after
-    its warm-up, so that no collection in the timed run copies the pages it shares with the parent.
-    """
-    gc.freeze()
-    context = multiprocessing.get_context("fork")
-    reader, writer = context.Pipe(duplex=False)
-
-    def child() -> None:
-        measure()
-        gc.collect()
-        writer.send(measure())
-
-    process = context.Process(target=child)
-    process.start()
-    writer.close()  # the child's copy stays open: recv fails at once if the child dies without sending
-    try:
-        seconds = reader.recv()
-    except EOFError:
-        raise RuntimeError(f"the measurement's process exited with {process.exitcode} (see its error above)") from None
-    finally:
-        process.join()
-    return float(seconds)
 
 
 def ratio(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
@@ -193,7 +191,13 @@ def main() -> None:
     parser.add_argument(
         "--only", choices=("tiny", "tensors", "compute-bound"), nargs="+", default=None, help="run only these tables"
     )
+    parser.add_argument("--measure", type=json.loads, default=None, help=argparse.SUPPRESS)  # one run, for isolated()
     args = parser.parse_args()
+    if args.measure is not None:
+        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore")
+        print(measure(args.measure))
+        return
     results: dict[str, Any] = {"version": lightning_accum.__version__, "torch_threads": torch.get_num_threads()}
     tables = set(args.only or ("tiny", "tensors", "compute-bound"))
     if "tiny" in tables:
@@ -211,7 +215,6 @@ def main() -> None:
 def tiny_table(count: int) -> list[dict[str, Any]]:
     """Fixed overhead per feature on the tiny model, against stock and a raw loop."""
 
-    data = loader(32, 8, 300)
     configs: dict[str, dict[str, Any] | None] = {
         "stock": None,
         "nothing on": {"log_metrics": False},
@@ -221,11 +224,9 @@ def tiny_table(count: int) -> list[dict[str, Any]]:
         "noise scale": {"log_metrics": False, "noise_scale": True},
         "all": {"normalize_by": "sample", "lr_scaling": "linear", "noise_scale": True},
     }
-    measures: dict[str, Callable[[], float]] = {
-        name: functools.partial(lightning_seconds, tiny, data, options) for name, options in configs.items()
-    }
-    measures["a callback doing nothing"] = functools.partial(lightning_seconds, tiny, data, None, True)
-    measures["raw PyTorch"] = lambda: raw_seconds(tiny, data)
+    measures: dict[str, dict[str, Any]] = {name: {"model": "tiny", "options": opts} for name, opts in configs.items()}
+    measures["a callback doing nothing"] = {"model": "tiny", "options": None, "empty": True}
+    measures["raw PyTorch"] = {"model": "tiny", "raw": True}
     times = rounds(measures, count)
     tiny_rows = []
     print("| tiny model | ms/micro-step | ratio to stock (median) | range | ratio to raw PyTorch |")
@@ -249,7 +250,13 @@ def tensors_table(count: int) -> list[dict[str, Any]]:
     print("| ---: | ---: | ---: | ---: |")
     per_tensor = []
     for tensors in (16, 128, 512, 2048):
-        pair = rounds(noise_pair(tensors), count)
+        pair = rounds(
+            {
+                "off": {"model": f"stack{tensors}", "options": {"log_metrics": False}},
+                "on": {"model": f"stack{tensors}", "options": {"log_metrics": False, "noise_scale": True}},
+            },
+            count,
+        )
         off, on = statistics.median(pair["off"]), statistics.median(pair["on"])
         # the median of the rounds' differences: each round's pair ran back to back
         extra_us = statistics.median(b - a for a, b in zip(pair["off"], pair["on"], strict=True)) / tensors * 1e6
@@ -260,22 +267,21 @@ def tensors_table(count: int) -> list[dict[str, Any]]:
 
 def compute_bound_table(count: int) -> dict[str, Any]:
     """Logging against stock and the noise scale on against off, on the compute-bound MLP."""
-    big = loader(1024, 64, 32)
     times = rounds(
         {
-            "stock": lambda: lightning_seconds(mlp, big, None),
-            "logging": lambda: lightning_seconds(mlp, big, {}),
-            "nothing on": lambda: lightning_seconds(mlp, big, {"log_metrics": False}),
-            "noise scale": lambda: lightning_seconds(mlp, big, {"log_metrics": False, "noise_scale": True}),
+            "stock": {"model": "mlp", "options": None},
+            "logging": {"model": "mlp", "options": {}},
+            "nothing on": {"model": "mlp", "options": {"log_metrics": False}},
+            "noise scale": {"model": "mlp", "options": {"log_metrics": False, "noise_scale": True}},
         },
         count,
     )
-    logging, noise = ratio(times, "logging", "stock"), ratio(times, "noise scale", "nothing on")
+    logged, noise = ratio(times, "logging", "stock"), ratio(times, "noise scale", "nothing on")
     print("\n| compute-bound MLP | ratio (median) | range |")
     print("| --- | ---: | --- |")
-    print(f"| all logging / stock | {logging['median']:.3f} | {logging['min']:.3f} to {logging['max']:.3f} |")
+    print(f"| all logging / stock | {logged['median']:.3f} | {logged['min']:.3f} to {logged['max']:.3f} |")
     print(f"| noise scale on / off | {noise['median']:.3f} | {noise['min']:.3f} to {noise['max']:.3f} |")
-    return {"logging": logging, "noise": noise}
+    return {"logging": logged, "noise": noise}
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ class NoiseScale(Feature):
         self._sums.start(self._backwards)
         # the window's first backward into gradients set to None, with no reduction across ranks inside it: what it
         # leaves in the small parameters' .grad is the micro-batch's own gradient, read afterwards in a few flattens
-        # instead of held by hooks (which would make autograd copy it). Large gradients are squared in their hooks
+        # instead of copied into the staging vector one by one. Large gradients are squared in their hooks
         # regardless, while backward has just written them.
         self._fresh = (
             self._backwards == 0
