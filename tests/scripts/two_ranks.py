@@ -277,6 +277,14 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
+NOISE_FROZEN_K4 = {
+    "mode": "ours",
+    "scheduling": {0: 4},
+    "noise_scale": True,
+    "lr": 0.0,
+    "num_samples": 1024,
+    "epochs": 3,
+}
 CONFIGS = {
     "stock_k4": {"mode": "stock", "factor": 4},
     "last_k3": {"mode": "ours", "scheduling": {0: 3}},
@@ -286,24 +294,9 @@ CONFIGS = {
     "last_cut": {"mode": "ours", "scheduling": {0: 3}, "cut_at": (0, 4)},
     "manual_cut": {"mode": "manual", "factor": 3, "cut_at": (0, 4)},
     # a frozen model (lr 0) on 1024 samples: the noise-scale estimate against the exact value
-    "noise_frozen_k4": {
-        "mode": "ours",
-        "scheduling": {0: 4},
-        "noise_scale": True,
-        "lr": 0.0,
-        "num_samples": 1024,
-        "epochs": 3,
-    },
+    "noise_frozen_k4": NOISE_FROZEN_K4,
     # the same with DDP reducing on every micro-step: the micro-batch gradients the estimate squares are the same
-    "noise_frozen_k4_every": {
-        "mode": "ours",
-        "scheduling": {0: 4},
-        "noise_scale": True,
-        "lr": 0.0,
-        "num_samples": 1024,
-        "epochs": 3,
-        "gradient_sync": "every",
-    },
+    "noise_frozen_k4_every": {**NOISE_FROZEN_K4, "gradient_sync": "every"},
     # the noise scale grows as the model converges: the factor grows, by rank zero's decision on every rank
     "adaptive_k2": {
         "mode": "ours",
