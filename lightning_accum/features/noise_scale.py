@@ -178,8 +178,7 @@ class NoiseScale(Feature):
         self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
         self._fresh = False  # whether the backward in progress writes into empty gradients (read afterwards)
         self._staging_now = False  # whether the small parameters' hooks copy their gradients now
-        self._staged: list[int] = []  # which of them did, in the backward in progress
-        self._seen = bytearray()  # the same, by index
+        self._seen = bytearray()  # which of them did, by index, in the backward in progress
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
         self._small_items: list[Any] = []
 
@@ -265,7 +264,7 @@ class NoiseScale(Feature):
             and (ctx.world_size == 1 or _skips_reduction(ctx))
             and all(param.grad is None for param in self._small)
         )
-        self._adding, self._staging_now, self._staged = True, not self._fresh and self._staging is not None, []
+        self._adding, self._staging_now = True, not self._fresh and self._staging is not None
         if self._staging_now:
             self._seen = bytearray(len(self._views))
         self._unscales.append(ctx.loss_divisor)
@@ -289,7 +288,6 @@ class NoiseScale(Feature):
                 return
             self._views[index].copy_(grad)  # a copy into place: the gradient itself is not kept
             self._seen[index] = 1
-            self._staged.append(index)
 
         return stage
 
@@ -297,13 +295,14 @@ class NoiseScale(Feature):
     def after_backward(self, ctx: Context) -> None:
         if not self._adding or self._sums is None:
             return
-        staged, self._staged = self._staged, []
         if self._fresh:
             self._sums.add_all([], [param.grad for param in self._small if param.grad is not None])
-        elif len(staged) == len(self._views) and self._staging is not None:
-            self._sums.add(self._staging)  # every small gradient in place: one dot
-        elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
-            self._sums.add_all([], [self._views[index] for index in staged])
+        elif self._staging_now:
+            staged = self._seen.count(1)
+            if staged == len(self._views):
+                self._sums.add(self._staging)  # type: ignore[arg-type]  # every small gradient in place: one dot
+            elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
+                self._sums.add_all([], [view for view, seen in zip(self._views, self._seen, strict=True) if seen])
         self._sums.finish()
         self._adding, self._fresh, self._staging_now = False, False, False
 
@@ -357,8 +356,7 @@ class NoiseScale(Feature):
         self._hooks, self._large, self._small, self._unhooked, self._module = {}, [], [], [], None
         self._unscales, self._small_items = [], []
         self._sums, self._adding, self._backwards, self._fresh, self._staging_now = None, False, 0, False, False
-        self._staged = []
-        self._staging, self._views = None, []
+        self._staging, self._views, self._seen = None, [], bytearray()
         self._device = None
 
     @override
