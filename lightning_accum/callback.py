@@ -153,14 +153,16 @@ class AccumulationScheduler(Callback):
                 f" noise_scale={noise_scale!r})"
             )
         # The one place features are registered, each with its switch. Every feature's arguments are checked, on or
-        # off; the order is the order events reach them: weighting publishes the items the noise scale reads, the
-        # noise scale what growth reads, growth the factor LR scaling reads, and metrics logs what all of them added.
+        # off; the order is the order events reach them: weighting publishes the items the noise scale reads, wide
+        # accumulation moves each micro-batch's gradient out before the noise scale sets aside the window's sum (it
+        # then finds no sum to hold), the noise scale publishes what growth reads, growth the factor LR scaling reads,
+        # and metrics logs what all of them added.
         registry: list[tuple[Feature, bool]] = [
             (TokenCount(token_key, ignore_index, count_items if normalize_by == "token" else None), unit == "token"),
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
+            (WideAccumulation(*_accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (NoiseScale(noise_scale_decay), check_bool("noise_scale", noise_scale)),
             (growth, adaptive),
-            (WideAccumulation(*_accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps), True),
             (ProgressBar(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),

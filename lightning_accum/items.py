@@ -165,7 +165,10 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch if batch.dim() > 0 else None
     values: Sequence[Any] | None = None
-    if isinstance(batch, Mapping):
+    kind = type(batch)
+    if kind is tuple or kind is list:  # the usual batches, without the abstract base classes' checks
+        values = batch
+    elif kind is dict or isinstance(batch, Mapping):
         values = list(batch.values())
     elif isinstance(batch, Sequence) and not isinstance(batch, str):
         values = batch

@@ -364,13 +364,16 @@ def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publish
     assert plain.noise_batch[0] != pytest.approx(12.0)  # micro-batch means: n / mean(1 / b_i)
 
 
-def test_noise_scale_hooks_are_removed_at_fit_end():
-    net = make_net()
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_noise_scale_hooks_are_removed_at_fit_end(world_size):
+    """Large parameters get a hook; small ones only where a backward may reduce them across ranks."""
+    net = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 1))  # one weight of LARGE elements or more
     feature = NoiseScale()
-    ctx = Context(module=net)
+    ctx = Context(module=net, world_size=world_size)
     ctx.window.open(2)
     feature.window_opened(ctx)
-    assert all(param._backward_hooks for param in net.parameters())
+    hooked = [bool(param._backward_hooks) for param in net.parameters()]
+    assert hooked == [True, world_size > 1, world_size > 1, world_size > 1]
     feature.fit_end(ctx)
     assert not any(param._backward_hooks for param in net.parameters())
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
@@ -103,3 +107,85 @@ def test_parameters_unfrozen_during_training_are_measured_too(tmp_path):
     estimate = callback.features["noise_scale"].estimate
     assert estimate.trace > 0
     assert estimate.noise_scale == pytest.approx(exact, rel=0.25)  # the whole model, as after unfreezing
+
+
+class GradientProbe(pl.LightningModule):
+    """A large weight (hooked), small ones (held between backwards) and a head only odd batches use; records what
+    ``.grad`` holds after every backward, as the LightningModule's ``on_after_backward`` sees it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(16, 1024)  # 16384 weights: squared in a hook
+        self.out = nn.Linear(1024, 1)
+        self.odd = nn.Linear(16, 1)  # no gradient in even micro-batches
+        self.seen: list[list[torch.Tensor | None]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        prediction = self.out(torch.tanh(self.body(x)))
+        if batch_idx % 2:
+            prediction = prediction + self.odd(x)
+        return nn.functional.mse_loss(prediction, y)
+
+    def on_after_backward(self) -> None:
+        self.seen.append([None if p.grad is None else p.grad.clone() for p in self.parameters()])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # momentum and weight decay: a parameter without a gradient must keep None, not a zero
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
+def test_the_noise_scale_leaves_every_gradient_bit_for_bit_as_autograd_accumulates_it(zero_grad):
+    """Holding the small gradients between backwards changes no bit of ``.grad``, after any backward, nor a weight."""
+
+    class Probe(GradientProbe):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            optimizer.zero_grad(set_to_none=zero_grad == "set_to_none")
+
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 16, generator=generator)
+    y = x[:, :1] - x[:, 1:2] + 0.3 * torch.randn(48, 1, generator=generator)
+    modules = {}
+    for noise in (False, True):
+        modules[noise] = Probe()
+        callback = AccumulationScheduler({0: 3, 1: 4}, noise_scale=noise, noise_scale_decay=0.0)
+        trainer([callback], max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
+    plain, noisy = modules[False], modules[True]
+    assert len(plain.seen) == len(noisy.seen) == 24
+    for seen_plain, seen_noisy in zip(plain.seen, noisy.seen, strict=True):
+        for a, b in zip(seen_plain, seen_noisy, strict=True):
+            assert (a is None) == (b is None)
+            assert a is None or torch.equal(a, b)
+    assert any(grads[-1] is None for grads in plain.seen)  # the odd head had no gradient at some backwards
+    for a, b in zip(plain.parameters(), noisy.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert noisy.trainer.callbacks[0].features["noise_scale"].estimate.noise_scale is not None
+
+
+def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
+    """An exception between the noise scale's ``on_before_backward`` and ``on_after_backward``: the fit's end puts the
+    window's gradients back into ``.grad``, with what the interrupted backward wrote added."""
+    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.features import NoiseScale
+
+    x, y = make_data(12, seed=5)
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 12, 4)]
+    net, reference = make_net(), make_net()
+    features, ctx = Features([NoiseScale()]), Context(module=net)
+    ctx.window.open(3)
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    for index, (xb, yb) in enumerate(batches):
+        ctx.window.take(ends_epoch=False)
+        ctx.batch, ctx.loss_divisor = (xb, yb), 3.0
+        features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        (nn.functional.mse_loss(net(xb), yb) / 3).backward()
+        (nn.functional.mse_loss(reference(xb), yb) / 3).backward()
+        if index == 1:  # another callback's on_after_backward raises before this one's
+            break
+        features.dispatch(Event.AFTER_BACKWARD, ctx)
+    features.dispatch(Event.FIT_END, ctx)
+    for a, b in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

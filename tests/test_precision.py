@@ -101,9 +101,11 @@ class RecordingSGD(torch.optim.SGD):
         return loss
 
 
-def optimizer_gradients(grad_accum_dtype: str | None, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+def optimizer_gradients(
+    grad_accum_dtype: str | None, x: torch.Tensor, y: torch.Tensor, noise_scale: bool = False
+) -> list[torch.Tensor]:
     module = Module()
-    callback = AccumulationScheduler({0: FACTOR}, grad_accum_dtype=grad_accum_dtype)
+    callback = AccumulationScheduler({0: FACTOR}, grad_accum_dtype=grad_accum_dtype, noise_scale=noise_scale)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH)
     trainer([callback], max_steps=1, precision="bf16-true").fit(module, data)
     assert all(g.dtype == torch.bfloat16 for g in module.seen)
@@ -124,6 +126,16 @@ def measured():
 @pytest.mark.parametrize("grad_accum_dtype", ["float32", "auto"])
 def test_bf16_true_factor_32_is_within_one_ulp_of_the_correctly_rounded_mean(measured, grad_accum_dtype):
     assert measured[grad_accum_dtype] <= 1.0
+
+
+@pytest.mark.parametrize("grad_accum_dtype", ["float32", None])
+def test_the_noise_scale_changes_no_bit_of_the_step_gradient(grad_accum_dtype):
+    """The noise scale holds the window's bfloat16 sums itself between backwards, or finds them moved out by float32
+    accumulation: either way the optimizer sees the gradient it would see without it."""
+    x, y = make_data()
+    plain = optimizer_gradients(grad_accum_dtype, x, y)
+    noisy = optimizer_gradients(grad_accum_dtype, x, y, noise_scale=True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, noisy, strict=True))
 
 
 def test_bf16_accumulation_is_what_the_option_removes(measured):

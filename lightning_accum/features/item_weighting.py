@@ -119,8 +119,10 @@ class ItemWeighting(Feature):
             loss.mul_(items.to(loss.dtype) / self._per_micro_batch)
             # a micro-batch without items has a zero gradient: any positive divisor serves
             ctx.loss_divisor = divided / items.float().clamp(min=1.0)
-        else:  # a host number: no copy to the device
-            loss.mul_(items / self._per_micro_batch)
+        else:  # a host number: no copy to the device, and no multiplication by one (a typical micro-batch)
+            weight = items / self._per_micro_batch
+            if weight != 1.0:
+                loss.mul_(weight)
             ctx.loss_divisor = divided / max(items, 1.0)
         self._window_items = self._window_items + items
         self._backwards += 1

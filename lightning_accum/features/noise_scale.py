@@ -22,7 +22,9 @@ Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them;
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import operator
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -89,6 +91,14 @@ class SquareSums:
             slot.add_(value) if self._written else slot.copy_(value)
         self._written = True
 
+    def add_vector(self, flat: torch.Tensor) -> None:
+        """Add the squared entries of ``flat``, a contiguous float32 vector on the slot's device (not checked)."""
+        if self._written:
+            self._slot.add_(torch.dot(flat, flat))
+        else:
+            torch.dot(flat, flat, out=self._slot)
+            self._written = True
+
     def add_flat(self, tensors: list[torch.Tensor]) -> None:
         """Add the squared entries of small ``tensors`` on the slot's device: one flatten, one dot."""
         self.add(_flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0])
@@ -107,14 +117,151 @@ class SquareSums:
             self._written = True
 
 
+class HeldGradients:
+    """The small parameters' gradients of a window, held in one flat buffer while each backward writes into ``None``.
+
+    Before a backward that reduces nothing across ranks, :meth:`take` sets each parameter's ``.grad`` to ``None``,
+    the window's sum so far staying in :attr:`buffer` (in the parameters' dtype); autograd then hands the backward's
+    gradient over as ``.grad`` without adding it to anything, and :meth:`give_back` squares it (one copy into the
+    float32 staging vector, one dot), adds it to the buffer, and puts each parameter's place in the buffer back as its
+    ``.grad``: the sum autograd would have made, element by element the same additions, in the same dtype. No Python
+    runs per parameter inside the backward, and per parameter outside it only attribute reads and writes.
+
+    A backward into gradients that were all ``None`` (the window's first) is only read: its gradients stay autograd's
+    own, moved into the buffer by the next :meth:`take`.
+
+    Args:
+        params: Parameters of one dtype, on one device.
+
+    Example::
+
+        >>> weight = torch.nn.Parameter(torch.zeros(2))
+        >>> held, sums = HeldGradients([weight]), SquareSums(torch.device("cpu"))
+        >>> for slot, value in enumerate((3.0, 4.0)):
+        ...     held.take(); sums.start(slot)
+        ...     (value * weight.sum()).backward()  # a micro-batch's gradient (value, value)
+        ...     held.give_back(sums); sums.finish()
+        >>> weight.grad.tolist(), sums.buffer[:2].tolist()
+        ([7.0, 7.0], [18.0, 32.0])
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        device, dtype = params[0].device, params[0].dtype
+        numel = sum(param.numel() for param in params)
+        self.buffer = torch.zeros(numel, dtype=dtype, device=device)  # the window's sum so far
+        # one backward's gradients side by side, squared in float32 or wider, added to the buffer exactly
+        self.staging = torch.zeros(numel, dtype=torch.promote_types(dtype, torch.float32), device=device)
+        self._float32 = self.staging.dtype == torch.float32
+        self.views: list[torch.Tensor] = []  # each parameter's place in the buffer, in its shape
+        self.stage_views: list[torch.Tensor] = []  # and in the staging vector
+        offset = 0
+        for param in params:
+            self.views.append(self.buffer[offset : offset + param.numel()].view(param.shape))
+            self.stage_views.append(self.staging[offset : offset + param.numel()].view(param.shape))
+            offset += param.numel()
+        self._held = bytearray(len(params))  # which parameters' sums the buffer holds
+        self._taken = False  # between take and give_back
+
+    def reset(self) -> None:
+        """A new window: the buffer holds nothing of it."""
+        self._held = bytearray(len(self.params))
+        self._taken = False
+
+    def take(self) -> None:
+        """Move the window's gradients so far into the buffer, leaving every ``.grad`` ``None``."""
+        params, views, held = self.params, self.views, self._held
+        grads = [param.grad for param in params]
+        if not (held.count(1) == len(held) and all(map(operator.is_, grads, views))):  # not just as given back
+            copy_to, copy_from = [], []
+            for index, grad in enumerate(grads):
+                if grad is None:
+                    held[index] = 0
+                    continue
+                held[index] = 1
+                if grad is not views[index]:  # autograd's own, or a .grad set elsewhere
+                    copy_to.append(views[index])
+                    copy_from.append(grad.detach())
+            if copy_to:
+                torch._foreach_copy_(copy_to, copy_from)
+        for param in params:
+            param.grad = None
+        self._taken = True
+
+    def give_back(self, sums: SquareSums) -> None:
+        """After the backward: square its gradients into ``sums``, add them to the buffer, put ``.grad`` back."""
+        self._taken = False
+        params, views, held = self.params, self.views, self._held
+        grads = [param.grad for param in params]
+        if not all(map(operator.is_not, grads, itertools.repeat(None))) or any(
+            map(operator.attrgetter("requires_grad"), grads)
+        ):
+            self._give_back_each(grads, sums)
+            return
+        fresh = cast(list[torch.Tensor], grads)
+        if len(fresh) == 1:
+            staged = fresh[0].reshape(-1)
+            sums.add(staged)
+        else:
+            torch._foreach_copy_(self.stage_views, fresh)
+            staged = self.staging
+            sums.add_vector(staged) if self._float32 else sums.add(staged)
+        holding = held.count(1)
+        if holding == len(held):  # the usual case: one addition, and the buffer's places back as .grad
+            self.buffer.add_(staged)
+            for param, view in zip(params, views, strict=True):
+                param.grad = view
+        elif holding:  # some parameters' first gradient of the window: autograd's own stays .grad
+            for index, (param, grad) in enumerate(zip(params, fresh, strict=True)):
+                if held[index]:
+                    views[index].add_(grad)
+                    param.grad = views[index]
+        # else the window's first gradients: autograd's own tensors stay .grad until the next take
+
+    def _give_back_each(self, fresh: list[torch.Tensor | None], sums: SquareSums) -> None:
+        """:meth:`give_back` parameter by parameter: some got no gradient, or the backward kept its graph."""
+        present = [grad for grad in fresh if grad is not None]
+        if present:
+            sums.add_all([], present)
+        for index, (param, grad) in enumerate(zip(self.params, fresh, strict=True)):
+            view = self.views[index]
+            if grad is None:
+                param.grad = view if self._held[index] else None
+            elif grad.requires_grad:  # create_graph=True: the sum keeps its graph, as autograd's would
+                param.grad = view + grad if self._held[index] else grad
+                self._held[index] = 0  # .grad is no longer the buffer: the next take copies it
+            elif self._held[index]:
+                view.add_(grad)
+                param.grad = view
+            # else: the parameter's first gradient of the window stays autograd's own
+
+    def restore(self) -> None:
+        """Put the window's gradients back into ``.grad`` if a backward between take and give_back never ended."""
+        if not self._taken:
+            return
+        self._taken = False
+        for param, view, held in zip(self.params, self.views, self._held, strict=True):
+            if not held:
+                continue
+            if param.grad is not None:  # what the interrupted backward wrote, added as autograd would have
+                view.add_(param.grad.detach())
+            param.grad = view
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The parameters' gradients that exist: the buffer itself when it holds every one as ``.grad``."""
+        grads = [param.grad for param in self.params]
+        if self._held.count(1) == len(self._held) and all(map(operator.is_, grads, self.views)):
+            return [self.buffer]
+        return [grad for grad in grads if grad is not None]
+
+
 def _on_host(sums: torch.Tensor, *columns: list[Any]) -> tuple[list[float], ...]:
     """``sums`` and each column of numbers or tensors as floats, with one transfer for every tensor among them."""
     tensors = [value for column in columns for value in column if isinstance(value, torch.Tensor)]
-    if tensors:
-        stacked = torch.stack([t.to(sums.device, torch.float32).reshape(()) for t in tensors])
-        values = iter(torch.cat([sums, stacked]).tolist())
-    else:
-        values = iter(sums.tolist())
+    if not tensors:  # host numbers only (one process, counted on the host): the sums alone
+        return sums.tolist(), *([float(value) for value in column] for column in columns)
+    stacked = torch.stack([t.to(sums.device, torch.float32).reshape(()) for t in tensors])
+    values = iter(torch.cat([sums, stacked]).tolist())
     host = [next(values) for _ in range(sums.numel())]
     return host, *([next(values) if isinstance(v, torch.Tensor) else float(v) for v in column] for column in columns)
 
@@ -165,18 +312,17 @@ class NoiseScale(Feature):
         self._estimator = NoiseScaleEstimator(decay)
         self._hooks: dict[int, Any] = {}  # id(param) -> hook handle
         self._module: Any = None  # the module whose parameters were listed
-        self._unhooked: list[torch.Tensor] = []  # its parameters not hooked yet (frozen so far)
-        self._large: list[torch.Tensor] = []  # hooked parameters whose gradients are squared one by one
-        self._small: list[torch.Tensor] = []  # hooked parameters whose gradients are staged
-        self._staging: torch.Tensor | None = None  # float32, the small parameters' gradients side by side
-        self._views: list[torch.Tensor] = []  # each small parameter's place in it, in its shape
+        self._unhooked: list[torch.Tensor] = []  # its parameters not taken in yet (frozen so far)
+        self._large: list[torch.Tensor] = []  # parameters whose gradients are squared in their hooks
+        self._held: HeldGradients | None = None  # the small parameters' gradients, held between backwards
+        self._stage_hooks = False  # whether the small parameters have hooks too (several ranks)
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
-        self._device: torch.device | None = None  # the first hooked parameter's
+        self._device: torch.device | None = None  # the first trainable parameter's
         self._sums: SquareSums | None = None  # one slot per backward of the window, then the mean's
         self._backwards = 0  # backwards of this window so far: the next one's slot
         self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
-        self._fresh = False  # whether the backward in progress writes into empty gradients (read afterwards)
+        self._taking = False  # whether the backward in progress writes the small gradients into None
         self._staging_now = False  # whether the small parameters' hooks copy their gradients now
         self._seen = bytearray()  # which of them did, by index, in the backward in progress
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
@@ -204,39 +350,49 @@ class NoiseScale(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         self._unscales, self._small_items = [], []  # nothing of a dropped window survives
-        self._backwards, self._adding = 0, False
+        self._backwards, self._adding, self._taking, self._staging_now = 0, False, False, False
         if self._module is not ctx.module:  # the module's parameters, listed once per fit
             self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
         if any(param.requires_grad for param in self._unhooked):  # the first window, or a backbone unfrozen since
-            self._hook(self._unhooked)
+            self._take_in(self._unhooked, stage_hooks=ctx.world_size > 1)
+        if self._held is not None:
+            self._held.reset()
 
-    def _hook(self, params: list[torch.Tensor]) -> None:
-        """Hook the trainable ``params``: a large gradient is squared at once, a small one staged."""
-        staged = sum(param.numel() for param in self._small)
+    def _take_in(self, params: list[torch.Tensor], stage_hooks: bool) -> None:
+        """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
+
+        Small gradients (of the first small parameter's dtype and device, at most ``STAGING`` elements together) get
+        a hook only where a backward may reduce them across ranks (``stage_hooks``): that one copies them into the
+        staging vector as backward produces them, before the reduction.
+        """
+        small = list(self._held.params) if self._held is not None else []
+        staged = sum(param.numel() for param in small)
         for param in params:
             if not param.requires_grad:
                 continue
             if self._device is None:
                 self._device = param.device  # where the sums are kept
-            small = param.numel() < LARGE and param.device == self._device and staged + param.numel() <= STAGING
-            if small:
-                hook: Any = self._stager(len(self._small))
-                self._small.append(param)
+            dtype = small[0].dtype if small else param.dtype  # the held buffer's
+            if (
+                param.numel() < LARGE
+                and param.device == self._device
+                and param.dtype == dtype
+                and staged + param.numel() <= STAGING
+            ):
+                small.append(param)
                 staged += param.numel()
+                self._hooks[id(param)] = None  # hooked below, if at all
             else:
-                hook = self._add_large
                 self._large.append(param)
-            self._hooks[id(param)] = param.register_hook(hook)
+                self._hooks[id(param)] = param.register_hook(self._add_large)
         self._unhooked = [param for param in self._unhooked if id(param) not in self._hooks]
-        self._staging = torch.zeros(staged, device=self._device) if self._small else None
-        self._views, offset = [], 0
-        for param in self._small:
-            self._views.append(self._staging[offset : offset + param.numel()].view(param.shape))  # type: ignore[index]
-            offset += param.numel()
-
-    def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The gradients of the hooked parameters that have one: (large, small)."""
-        return [p.grad for p in self._large if p.grad is not None], [p.grad for p in self._small if p.grad is not None]
+        if self._held is not None and len(self._held.params) == len(small):
+            return  # no new small parameter
+        for index, param in enumerate(small):  # the stage hooks hold indices into the new held parameters
+            if self._hooks[id(param)] is not None:
+                self._hooks[id(param)].remove()
+            self._hooks[id(param)] = param.register_hook(self._stager(index)) if stage_hooks else None
+        self._held, self._stage_hooks = (HeldGradients(small) if small else None), stage_hooks and bool(small)
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
@@ -255,18 +411,16 @@ class NoiseScale(Feature):
         if self._sums is None:
             self._sums = SquareSums(self._device or torch.device("cpu"))
         self._sums.start(self._backwards)
-        # the window's first backward into gradients set to None, with no reduction across ranks inside it: what it
-        # leaves in the small parameters' .grad is the micro-batch's own gradient, read afterwards in a few flattens
-        # instead of copied into the staging vector one by one. Large gradients are squared in their hooks
-        # regardless, while backward has just written them.
-        self._fresh = (
-            self._backwards == 0
-            and (ctx.world_size == 1 or _skips_reduction(ctx))
-            and all(param.grad is None for param in self._small)
-        )
-        self._adding, self._staging_now = True, not self._fresh and self._staging is not None
+        # a backward that reduces nothing across ranks writes the small parameters' gradients into None, to be read
+        # whole afterwards; one that reduces them is staged by their hooks before the reduction. Large gradients are
+        # squared in their hooks regardless, while backward has just written them.
+        self._taking = self._held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
+        if self._taking:
+            self._held.take()  # type: ignore[union-attr]
+        self._staging_now = self._stage_hooks and not self._taking
         if self._staging_now:
-            self._seen = bytearray(len(self._views))
+            self._seen = bytearray(len(self._held.params))  # type: ignore[union-attr]
+        self._adding = True
         self._unscales.append(ctx.loss_divisor)
         self._small_items.append(self._micro_items)
         self._backwards += 1
@@ -276,17 +430,18 @@ class NoiseScale(Feature):
             self._sums.add(grad)  # type: ignore[union-attr]
 
     def _stager(self, index: int) -> Any:
-        """The hook of the ``index``-th small parameter."""
+        """The hook of the ``index``-th small parameter: copies its gradient into the staging vector."""
 
         def stage(grad: torch.Tensor) -> None:
             if not self._staging_now:
                 return
             if grad.requires_grad:  # a backward with create_graph=True
                 grad = grad.detach()
+            view = self._held.stage_views[index]  # type: ignore[union-attr]
             if self._seen[index]:  # a second part of this backward's gradient (reentrant checkpointing)
-                self._views[index].add_(grad)
+                view.add_(grad)
                 return
-            self._views[index].copy_(grad)  # a copy into place: the gradient itself is not kept
+            view.copy_(grad)  # a copy into place: the gradient itself is not kept
             self._seen[index] = 1
 
         return stage
@@ -295,16 +450,18 @@ class NoiseScale(Feature):
     def after_backward(self, ctx: Context) -> None:
         if not self._adding or self._sums is None:
             return
-        if self._fresh:
-            self._sums.add_all([], [param.grad for param in self._small if param.grad is not None])
+        held = self._held
+        if self._taking:
+            held.give_back(self._sums)  # type: ignore[union-attr]
         elif self._staging_now:
+            assert held is not None
             staged = self._seen.count(1)
-            if staged == len(self._views):
-                self._sums.add(self._staging)  # type: ignore[arg-type]  # every small gradient in place: one dot
+            if staged == len(held.params):
+                self._sums.add(held.staging)  # every small gradient in place: one dot
             elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
-                self._sums.add_all([], [view for view, seen in zip(self._views, self._seen, strict=True) if seen])
+                self._sums.add_all([], [view for view, seen in zip(held.stage_views, self._seen, strict=True) if seen])
         self._sums.finish()
-        self._adding, self._fresh, self._staging_now = False, False, False
+        self._adding, self._taking, self._staging_now = False, False, False
 
     @override
     def gradient_ready(self, ctx: Context) -> None:
@@ -316,7 +473,8 @@ class NoiseScale(Feature):
         count, self._backwards = self._backwards, 0
         unscales, self._unscales = self._unscales, []
         items, self._small_items = self._small_items, []
-        large, small = self._grads()
+        large = [param.grad for param in self._large if param.grad is not None]
+        small = self._held.gradients() if self._held is not None else []
         sums = self._sums
         if not count or not (large or small) or sums is None:
             return
@@ -351,13 +509,15 @@ class NoiseScale(Feature):
 
     @override
     def fit_end(self, ctx: Context) -> None:
+        if self._held is not None:
+            self._held.restore()  # a fit that ended inside a backward keeps the gradients as autograd would
         for hook in self._hooks.values():
-            hook.remove()
-        self._hooks, self._large, self._small, self._unhooked, self._module = {}, [], [], [], None
+            if hook is not None:
+                hook.remove()
+        self._hooks, self._large, self._held, self._unhooked, self._module = {}, [], None, [], None
         self._unscales, self._small_items = [], []
-        self._sums, self._adding, self._backwards, self._fresh, self._staging_now = None, False, 0, False, False
-        self._staging, self._views, self._seen = None, [], bytearray()
-        self._device = None
+        self._sums, self._adding, self._backwards, self._taking, self._staging_now = None, False, 0, False, False
+        self._stage_hooks, self._seen, self._device = False, bytearray(), None
 
     @override
     def state_dict(self) -> dict[str, Any]:
