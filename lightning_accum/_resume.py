@@ -98,8 +98,13 @@ class ResumePoint:
             loop_state.pop("combined_loader", None)
 
 
+_IMMUTABLE = (type(None), bool, int, float, str)
+
+
 def _copy(value: Any) -> Any:
     """A copy of a checkpoint state: containers rebuilt, immutable leaves shared, anything else deep-copied."""
+    if type(value) in _IMMUTABLE:  # most of a state: the exact types first, without isinstance's subclass checks
+        return value
     if isinstance(value, dict):
         return {key: _copy(item) for key, item in value.items()}
     if isinstance(value, list):

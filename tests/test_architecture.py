@@ -146,9 +146,9 @@ def test_the_documented_event_table_is_what_each_feature_handles():
     features = [
         TokenCount(),
         ItemWeighting(),
+        WideAccumulation(torch.float32),
         NoiseScale(),
         AdaptiveGrowth(),
-        WideAccumulation(torch.float32),
         LRScaling(),
         ProgressBar(),
         Metrics(),

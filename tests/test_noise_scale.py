@@ -110,14 +110,14 @@ def test_parameters_unfrozen_during_training_are_measured_too(tmp_path):
 
 
 class GradientProbe(pl.LightningModule):
-    """A large weight (hooked), small ones (held between backwards) and a head only odd batches use; records what
-    ``.grad`` holds after every backward, as the LightningModule's ``on_after_backward`` sees it."""
+    """Small parameters, with or without a large weight, and a head only odd batches use; records what ``.grad``
+    holds after every backward, as the LightningModule's ``on_after_backward`` sees it."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Linear(16, 1024)  # 16384 weights: squared in a hook
-        self.out = nn.Linear(1024, 1)
+        self.body = nn.Linear(16, width)  # 16 x 1024 weights: squared in a hook (the small ones then staged)
+        self.out = nn.Linear(width, 1)
         self.odd = nn.Linear(16, 1)  # no gradient in even micro-batches
         self.seen: list[list[torch.Tensor | None]] = []
 
@@ -136,9 +136,11 @@ class GradientProbe(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
 
 
+@pytest.mark.parametrize("width", [512, 1024], ids=["small-held", "large-hooked"])
 @pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
-def test_the_noise_scale_leaves_every_gradient_bit_for_bit_as_autograd_accumulates_it(zero_grad):
-    """Holding the small gradients between backwards changes no bit of ``.grad``, after any backward, nor a weight."""
+def test_the_noise_scale_leaves_every_gradient_as_autograd_accumulates_it(zero_grad, width):
+    """Holding the small gradients between backwards (a model without a large weight) or staging them from hooks
+    changes no value of ``.grad`` after any backward, nor of a weight."""
 
     class Probe(GradientProbe):
         def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
@@ -149,7 +151,7 @@ def test_the_noise_scale_leaves_every_gradient_bit_for_bit_as_autograd_accumulat
     y = x[:, :1] - x[:, 1:2] + 0.3 * torch.randn(48, 1, generator=generator)
     modules = {}
     for noise in (False, True):
-        modules[noise] = Probe()
+        modules[noise] = Probe(width)
         callback = AccumulationScheduler({0: 3, 1: 4}, noise_scale=noise, noise_scale_decay=0.0)
         trainer([callback], max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
     plain, noisy = modules[False], modules[True]

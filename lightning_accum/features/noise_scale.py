@@ -3,17 +3,19 @@
 Each micro-batch's squared gradient norm is summed on the device, in float32, into a slot of its own
 (:class:`SquareSums`), with nothing moved to the host until the optimizer step:
 
-- one hook per trainable parameter takes its gradient as backward produces it: a large one (``LARGE`` elements or
-  more) is squared at once with one dot; a small one is copied into its place in a float32 staging vector of all the
-  small parameters (at most ``STAGING`` elements), squared with one dot after the backward. No hook keeps a
-  gradient: autograd frees each as it would without the estimate, so the allocator sees the same pattern (a small
-  gradient held across backward's large allocations makes glibc page-fault megabytes per micro-step);
-- where ``.grad`` holds nothing before a backward (the window's first one, gradients set to ``None``) and that backward
-  reduces nothing across ranks, the small gradients are read from ``.grad`` after it instead: a flatten and a dot.
+- the small parameters (under ``LARGE`` elements, at most ``STAGING`` together, of one dtype) get no hook where a
+  backward reduces nothing across ranks: :class:`HeldGradients` sets their ``.grad`` to ``None`` before it, holding
+  the window's sum so far in one flat buffer, so autograd hands the micro-batch's gradient over whole; after it that
+  gradient is copied into a float32 staging vector, squared with one dot, added to the buffer, and the buffer's
+  places are put back as ``.grad`` (the same additions autograd makes: the same bits). Where a backward reduces
+  (DDP's last micro-step), their hooks copy them into the staging vector before the reduction instead;
+- a large parameter's hook squares its gradient at once with one dot, as backward produces it. No hook keeps a
+  gradient: autograd frees each as it would without the estimate, so the allocator sees the same pattern (a
+  gradient held across backward's large allocations makes glibc page-fault megabytes per micro-step).
 
 Once the window's gradient is its mean, its squared norm joins the micro-batch ones in the estimator of
-:mod:`lightning_accum.noise`. The hooked gradient is that of the loss Lightning backpropagates, so each micro-batch's
-sum is unscaled by ``ctx.loss_divisor`` and the AMP loss scale, constant over a window, is taken out once per step,
+:mod:`lightning_accum.noise`. Each micro-batch's gradient is that of the loss Lightning backpropagates, so its sum
+is unscaled by ``ctx.loss_divisor`` and the AMP loss scale, constant over a window, is taken out once per step,
 with the step's one transfer to the host.
 
 Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them; publishes ``ctx.noise_scale`` and
@@ -315,7 +317,8 @@ class NoiseScale(Feature):
         self._unhooked: list[torch.Tensor] = []  # its parameters not taken in yet (frozen so far)
         self._large: list[torch.Tensor] = []  # parameters whose gradients are squared in their hooks
         self._held: HeldGradients | None = None  # the small parameters' gradients, held between backwards
-        self._stage_hooks = False  # whether the small parameters have hooks too (several ranks)
+        self._stage_hooks = False  # whether the small parameters have hooks (several ranks, or large ones hooked)
+        self._holding = False  # whether the small gradients are held between backwards (no large one hooked)
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
         self._device: torch.device | None = None  # the first trainable parameter's
@@ -354,16 +357,18 @@ class NoiseScale(Feature):
         if self._module is not ctx.module:  # the module's parameters, listed once per fit
             self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
         if any(param.requires_grad for param in self._unhooked):  # the first window, or a backbone unfrozen since
-            self._take_in(self._unhooked, stage_hooks=ctx.world_size > 1)
+            self._take_in(self._unhooked, several_ranks=ctx.world_size > 1)
         if self._held is not None:
             self._held.reset()
 
-    def _take_in(self, params: list[torch.Tensor], stage_hooks: bool) -> None:
-        """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
+    def _take_in(self, params: list[torch.Tensor], several_ranks: bool) -> None:
+        """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held or staged.
 
-        Small gradients (of the first small parameter's dtype and device, at most ``STAGING`` elements together) get
-        a hook only where a backward may reduce them across ranks (``stage_hooks``): that one copies them into the
-        staging vector as backward produces them, before the reduction.
+        The small gradients (of the first small parameter's dtype and device, at most ``STAGING`` elements together)
+        are held between backwards only where no large gradient is hooked: a backward into ``None`` allocates them
+        afresh, and holding them until its end across the large gradients' allocations makes glibc page-fault
+        (twice the minor faults on the 4 x 1024 MLP). Elsewhere, and for a backward that reduces across ranks, their
+        hooks copy them into the staging vector as backward produces them.
         """
         small = list(self._held.params) if self._held is not None else []
         staged = sum(param.numel() for param in small)
@@ -386,13 +391,15 @@ class NoiseScale(Feature):
                 self._large.append(param)
                 self._hooks[id(param)] = param.register_hook(self._add_large)
         self._unhooked = [param for param in self._unhooked if id(param) not in self._hooks]
-        if self._held is not None and len(self._held.params) == len(small):
-            return  # no new small parameter
+        self._holding = not self._large
+        stage_hooks = bool(small) and (several_ranks or not self._holding)
+        if self._held is not None and len(self._held.params) == len(small) and stage_hooks == self._stage_hooks:
+            return  # nothing new
         for index, param in enumerate(small):  # the stage hooks hold indices into the new held parameters
             if self._hooks[id(param)] is not None:
                 self._hooks[id(param)].remove()
             self._hooks[id(param)] = param.register_hook(self._stager(index)) if stage_hooks else None
-        self._held, self._stage_hooks = (HeldGradients(small) if small else None), stage_hooks and bool(small)
+        self._held, self._stage_hooks = (HeldGradients(small) if small else None), stage_hooks
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
@@ -411,10 +418,10 @@ class NoiseScale(Feature):
         if self._sums is None:
             self._sums = SquareSums(self._device or torch.device("cpu"))
         self._sums.start(self._backwards)
-        # a backward that reduces nothing across ranks writes the small parameters' gradients into None, to be read
-        # whole afterwards; one that reduces them is staged by their hooks before the reduction. Large gradients are
-        # squared in their hooks regardless, while backward has just written them.
-        self._taking = self._held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
+        # where no large gradient is hooked, a backward that reduces nothing across ranks writes the small parameters'
+        # gradients into None, to be read whole afterwards; otherwise they are staged by their hooks (before any
+        # reduction). Large gradients are squared in their hooks, while backward has just written them.
+        self._taking = self._holding and self._held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
         if self._taking:
             self._held.take()  # type: ignore[union-attr]
         self._staging_now = self._stage_hooks and not self._taking
@@ -517,7 +524,7 @@ class NoiseScale(Feature):
         self._hooks, self._large, self._held, self._unhooked, self._module = {}, [], None, [], None
         self._unscales, self._small_items = [], []
         self._sums, self._adding, self._backwards, self._taking, self._staging_now = None, False, 0, False, False
-        self._stage_hooks, self._seen, self._device = False, bytearray(), None
+        self._stage_hooks, self._holding, self._seen, self._device = False, False, bytearray(), None
 
     @override
     def state_dict(self) -> dict[str, Any]:
