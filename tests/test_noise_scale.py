@@ -191,3 +191,42 @@ def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
     features.dispatch(Event.FIT_END, ctx)
     for a, b in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
+    """micro_batch_size='auto' drops a window whose backward ran out of memory (its gradients set to None, the window
+    opened again): what that backward wrote must not reach the next window's gradients or estimate."""
+    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.features import NoiseScale
+
+    x, y = make_data(16, seed=6)
+    batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
+    net = make_net()
+    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    ctx.window.open(4)
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    ctx.window.take(ends_epoch=False)
+    ctx.batch, ctx.loss_divisor = batches[0], 4.0
+    features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+    features.dispatch(Event.BEFORE_BACKWARD, ctx)
+    (nn.functional.mse_loss(net(x[:4]), y[:4]) * 100).backward()  # the failed attempt's gradient, then out of memory
+    for param in net.parameters():
+        param.grad = None  # as the micro-batcher drops them
+    ctx.window.discard()
+    ctx.window.open(4)
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    reference = make_net()
+    for xb, yb in batches:
+        ctx.window.take(ends_epoch=False)
+        ctx.batch, ctx.loss_divisor = (xb, yb), 4.0
+        features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        (nn.functional.mse_loss(net(xb), yb) / 4).backward()
+        (nn.functional.mse_loss(reference(xb), yb) / 4).backward()
+        features.dispatch(Event.AFTER_BACKWARD, ctx)
+    for a, b in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    features.dispatch(Event.GRADIENT_READY, ctx)
+    from tests.test_features import _noise_scale_reference
+
+    assert ctx.noise_scale == pytest.approx(_noise_scale_reference(reference, batches), rel=1e-4)

@@ -24,9 +24,8 @@ Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them;
 
 from __future__ import annotations
 
-import itertools
 import operator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
@@ -39,7 +38,9 @@ from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
 
 FLUSH = 64  # small gradients flattened together into one dot, when read from .grad
 LARGE = 1 << 14  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
-STAGING = 1 << 20  # float32 elements of the staging vector of the small gradients (4 MiB at most)
+STAGING = 1 << 20  # elements of the small parameters together, and of their rows (4 MiB at most in float32)
+ROWS = 64  # backwards whose small gradients are kept, to be squared together, before they are squared
+ROW_TENSORS = 1 << 12  # tensors the rows are split into (one per parameter and row) at most
 
 
 class SquareSums:
@@ -47,7 +48,8 @@ class SquareSums:
 
     One slot per backward of the window, then one for the window's mean gradient. A slot is started, added to (a
     large tensor with one dot, small ones flattened together into one), and finished; the first addition writes the
-    slot, so no slot is zeroed and no result tensor outlives its addition.
+    slot, so no slot is zeroed and no result tensor outlives its addition. A slot nothing was added to holds
+    whatever it held: :meth:`values` reads it as zero.
 
     Args:
         device: Where the sums are kept: the gradients' device.
@@ -56,15 +58,17 @@ class SquareSums:
 
         >>> sums = SquareSums(torch.device("cpu"))
         >>> sums.start(0); sums.add(torch.tensor([3.0, 4.0])); sums.finish()
-        >>> sums.start(1); sums.add_all([], [torch.ones(2, 2), torch.ones(3)]); sums.finish()
-        >>> sums.buffer[:2].tolist()
-        [25.0, 7.0]
+        >>> sums.start(1); sums.finish()  # nothing added
+        >>> sums.start(2); sums.add_all([], [torch.ones(2, 2), torch.ones(3)]); sums.finish()
+        >>> sums.values(sums.buffer[:3].tolist())
+        [25.0, 0.0, 7.0]
     """
 
     def __init__(self, device: torch.device) -> None:
         self.buffer = torch.zeros(8, device=device)
         self._slots = self.buffer.unbind()  # a view per slot, made once
-        self._slot = self._slots[0]
+        self._filled = bytearray(len(self._slots))  # which slots were added to since they were started
+        self._index = 0
         self._written = False
 
     def start(self, slot: int) -> None:
@@ -73,11 +77,12 @@ class SquareSums:
             grown = torch.zeros(2 * slot, device=self.buffer.device)
             grown[: self.buffer.numel()] = self.buffer
             self.buffer, self._slots = grown, grown.unbind()
-        self._slot, self._written = self._slots[slot], False
+            self._filled.extend(bytearray(len(self._slots) - len(self._filled)))
+        self._index, self._written = slot, False
 
     def add(self, tensor: torch.Tensor) -> None:
         """Add the squared entries of ``tensor`` to the slot."""
-        slot = self._slot
+        slot = self._slots[self._index]
         if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
             tensor = tensor.detach()
         if tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.device == slot.device:
@@ -93,14 +98,6 @@ class SquareSums:
             slot.add_(value) if self._written else slot.copy_(value)
         self._written = True
 
-    def add_vector(self, flat: torch.Tensor) -> None:
-        """Add the squared entries of ``flat``, a contiguous float32 vector on the slot's device (not checked)."""
-        if self._written:
-            self._slot.add_(torch.dot(flat, flat))
-        else:
-            torch.dot(flat, flat, out=self._slot)
-            self._written = True
-
     def add_flat(self, tensors: list[torch.Tensor]) -> None:
         """Add the squared entries of small ``tensors`` on the slot's device: one flatten, one dot."""
         self.add(_flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0])
@@ -112,66 +109,108 @@ class SquareSums:
         for start in range(0, len(small), FLUSH):
             self.add_flat(small[start : start + FLUSH])
 
+    def add_rows(self, first: int, rows: torch.Tensor) -> None:
+        """Add the squared entries of each row of ``rows`` (float32 or wider) to the slots from ``first`` on."""
+        count = rows.shape[0]
+        target, filled = self.buffer[first : first + count], self._filled[first : first + count]
+        if rows.dtype == torch.float32 and not any(filled):  # the usual case: one reduction, written in place
+            torch.linalg.vecdot(rows, rows, out=target)
+        else:
+            squares = torch.linalg.vecdot(rows, rows).to(torch.float32)
+            if all(filled):
+                target.add_(squares)
+            else:
+                for index, written in enumerate(filled):
+                    target[index].add_(squares[index]) if written else target[index].copy_(squares[index])
+        self._filled[first : first + count] = b"\x01" * count
+
     def finish(self) -> None:
-        """Close the slot: one nothing was added to holds zero."""
-        if not self._written:
-            self._slot.zero_()
-            self._written = True
+        """Close the slot."""
+        self._filled[self._index] = self._written
+
+    def values(self, host: list[float]) -> list[float]:
+        """The first ``len(host)`` slots, read from the buffer as ``host``: a slot nothing was added to is zero."""
+        return [value if filled else 0.0 for value, filled in zip(host, self._filled, strict=False)]
 
 
 class HeldGradients:
-    """The small parameters' gradients of a window, held in one flat buffer while each backward writes into ``None``.
+    """The small parameters' gradients of a window: each backward's written into a row of its own, the sum held.
 
-    Before a backward that reduces nothing across ranks, :meth:`take` sets each parameter's ``.grad`` to ``None``,
-    the window's sum so far staying in :attr:`buffer` (in the parameters' dtype); autograd then hands the backward's
-    gradient over as ``.grad`` without adding it to anything, and :meth:`give_back` squares it (one copy into the
-    float32 staging vector, one dot), adds it to the buffer, and puts each parameter's place in the buffer back as its
-    ``.grad``: the sum autograd would have made, element by element the same additions, in the same dtype. No Python
-    runs per parameter inside the backward, and per parameter outside it only attribute reads and writes.
-
-    A backward into gradients that were all ``None`` (the window's first) is only read: its gradients stay autograd's
-    own, moved into the buffer by the next :meth:`take`.
+    Before a backward that reduces nothing across ranks, :meth:`take` points each parameter's ``.grad`` at its place
+    in a zeroed row of :attr:`rows` (a tensor of its own over the rows' storage, so each has its own version
+    counter), keeping the window's sum so far in :attr:`buffer`: autograd adds the backward's gradient into it in
+    place, as it adds into any ``.grad``, allocating nothing that outlives the addition. :meth:`give_back` then adds
+    the row to the buffer (one addition, the one autograd would have made: the same values, in the same dtype) and
+    points ``.grad`` back at the buffer, so hooks after the backward see the window's sum. The rows are squared
+    together, one reduction, by :meth:`flush` (at the optimizer step, or when they run out); a parameter whose
+    row place was not written (its version unchanged) got no gradient and keeps ``None`` if it had none.
 
     Args:
         params: Parameters of one dtype, on one device.
+        staging: Also allocate a float32 staging vector, for hooks that copy gradients into it (several ranks).
 
     Example::
 
         >>> weight = torch.nn.Parameter(torch.zeros(2))
         >>> held, sums = HeldGradients([weight]), SquareSums(torch.device("cpu"))
         >>> for slot, value in enumerate((3.0, 4.0)):
-        ...     held.take(); sums.start(slot)
+        ...     sums.start(slot); held.take(slot, sums)
         ...     (value * weight.sum()).backward()  # a micro-batch's gradient (value, value)
-        ...     held.give_back(sums); sums.finish()
-        >>> weight.grad.tolist(), sums.buffer[:2].tolist()
+        ...     held.give_back(); sums.finish()
+        >>> held.flush(sums); weight.grad.tolist(), sums.values(sums.buffer[:2].tolist())
         ([7.0, 7.0], [18.0, 32.0])
     """
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
+    def __init__(self, params: list[torch.Tensor], staging: bool = False) -> None:
         self.params = params
         device, dtype = params[0].device, params[0].dtype
         numel = sum(param.numel() for param in params)
         self.buffer = torch.zeros(numel, dtype=dtype, device=device)  # the window's sum so far
-        # one backward's gradients side by side, squared in float32 or wider, added to the buffer exactly
-        self.staging = torch.zeros(numel, dtype=torch.promote_types(dtype, torch.float32), device=device)
-        self._float32 = self.staging.dtype == torch.float32
         self.views: list[torch.Tensor] = []  # each parameter's place in the buffer, in its shape
-        self.stage_views: list[torch.Tensor] = []  # and in the staging vector
         offset = 0
         for param in params:
             self.views.append(self.buffer[offset : offset + param.numel()].view(param.shape))
-            self.stage_views.append(self.staging[offset : offset + param.numel()].view(param.shape))
+            offset += param.numel()
+        # rows: as many backwards as fit in STAGING elements, at most ROWS, and at most ROW_TENSORS tensors in all
+        count = max(1, min(ROWS, STAGING // max(numel, 1), ROW_TENSORS // len(params)))
+        self.rows = torch.zeros(count, numel, dtype=dtype, device=device)
+        storage = self.rows.untyped_storage()
+        self._places: list[list[torch.Tensor]] = []  # per row, each parameter's place: own tensors, not views
+        for row in range(count):
+            offset, places = row * numel, []
+            for param in params:
+                shape = param.shape
+                place = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, _contiguous(shape))
+                places.append(place)
+                offset += param.numel()
+            self._places.append(places)
+        self._wide = self.rows.dtype in (torch.float32, torch.float64)  # squared in its own dtype
+        self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
+        self.stage_views: list[torch.Tensor] = []
+        offset = 0
+        for param in params if staging else ():
+            self.stage_views.append(self.staging[offset : offset + param.numel()].view(param.shape))  # type: ignore[index]
             offset += param.numel()
         self._held = bytearray(len(params))  # which parameters' sums the buffer holds
+        self._row = 0  # the next row to write
+        self._first_slot = 0  # the slot (backward of the window) of row 0
+        self._versions: list[int] = []  # of the current row's places, before its backward
         self._taken = False  # between take and give_back
 
     def reset(self) -> None:
         """A new window: the buffer holds nothing of it."""
         self._held = bytearray(len(self.params))
-        self._taken = False
+        used = min(self._row + self._taken, len(self._places))  # a row taken by a backward that failed, too
+        if used:
+            self.rows[:used].zero_()
+        self._row, self._first_slot, self._taken = 0, 0, False
 
-    def take(self) -> None:
-        """Move the window's gradients so far into the buffer, leaving every ``.grad`` ``None``."""
+    def take(self, slot: int, sums: SquareSums) -> None:
+        """Before the backward of ``slot``: the window's gradients so far into the buffer, ``.grad`` into a row."""
+        if self._row and (self._row == len(self._places) or slot != self._first_slot + self._row):
+            self.flush(sums)  # the rows are full, or a backward in between did not write one
+        if not self._row:
+            self._first_slot = slot
         params, views, held = self.params, self.views, self._held
         grads = [param.grad for param in params]
         if not (held.count(1) == len(held) and all(map(operator.is_, grads, views))):  # not just as given back
@@ -186,68 +225,76 @@ class HeldGradients:
                     copy_from.append(grad.detach())
             if copy_to:
                 torch._foreach_copy_(copy_to, copy_from)
-        for param in params:
-            param.grad = None
+        places = self._places[self._row]
+        for param, place in zip(params, places, strict=True):
+            param.grad = place
+        self._versions = [place._version for place in places]
         self._taken = True
 
-    def give_back(self, sums: SquareSums) -> None:
-        """After the backward: square its gradients into ``sums``, add them to the buffer, put ``.grad`` back."""
+    def give_back(self) -> None:
+        """After the backward: its gradients into the buffer, ``.grad`` back to the buffer's places."""
         self._taken = False
         params, views, held = self.params, self.views, self._held
+        places = self._places[self._row]
         grads = [param.grad for param in params]
-        if not all(map(operator.is_not, grads, itertools.repeat(None))) or any(
-            map(operator.attrgetter("requires_grad"), grads)
-        ):
-            self._give_back_each(grads, sums)
-            return
-        fresh = cast(list[torch.Tensor], grads)
-        if len(fresh) == 1:
-            staged = fresh[0].reshape(-1)
-            sums.add(staged)
-        else:
-            torch._foreach_copy_(self.stage_views, fresh)
-            staged = self.staging
-            sums.add_vector(staged) if self._float32 else sums.add(staged)
-        holding = held.count(1)
-        if holding == len(held):  # the usual case: one addition, and the buffer's places back as .grad
-            self.buffer.add_(staged)
+        if all(map(operator.is_, grads, places)) and all(
+            map(operator.ne, [place._version for place in places], self._versions)
+        ):  # the usual case: every parameter got a gradient, added into its place
+            holding = held.count(1)
+            if holding == len(held):
+                self.buffer.add_(self.rows[self._row])
+            elif not holding:
+                self.buffer.copy_(self.rows[self._row])
+                self._held = bytearray(b"\x01" * len(params))
+            else:
+                for index, place in enumerate(places):
+                    views[index].add_(place) if held[index] else views[index].copy_(place)
+                self._held = bytearray(b"\x01" * len(params))
             for param, view in zip(params, views, strict=True):
                 param.grad = view
-        elif holding:  # some parameters' first gradient of the window: autograd's own stays .grad
-            for index, (param, grad) in enumerate(zip(params, fresh, strict=True)):
-                if held[index]:
-                    views[index].add_(grad)
-                    param.grad = views[index]
-        # else the window's first gradients: autograd's own tensors stay .grad until the next take
+        else:
+            self._give_back_each(grads, places)
+        self._row += 1
 
-    def _give_back_each(self, fresh: list[torch.Tensor | None], sums: SquareSums) -> None:
+    def _give_back_each(self, grads: list[torch.Tensor | None], places: list[torch.Tensor]) -> None:
         """:meth:`give_back` parameter by parameter: some got no gradient, or the backward kept its graph."""
-        present = [grad for grad in fresh if grad is not None]
-        if present:
-            sums.add_all([], present)
-        for index, (param, grad) in enumerate(zip(self.params, fresh, strict=True)):
+        held = self._held
+        for index, (param, grad, place) in enumerate(zip(self.params, grads, places, strict=True)):
             view = self.views[index]
-            if grad is None:
-                param.grad = view if self._held[index] else None
-            elif grad.requires_grad:  # create_graph=True: the sum keeps its graph, as autograd's would
-                param.grad = view + grad if self._held[index] else grad
-                self._held[index] = 0  # .grad is no longer the buffer: the next take copies it
-            elif self._held[index]:
-                view.add_(grad)
-                param.grad = view
-            # else: the parameter's first gradient of the window stays autograd's own
+            if grad is place and place._version == self._versions[index]:  # no gradient in this backward
+                param.grad = view if held[index] else None
+            elif grad is place:
+                view.add_(place) if held[index] else view.copy_(place)
+                held[index], param.grad = 1, view
+            elif grad is not None:  # create_graph=True: autograd made a new sum, keeping its graph
+                place.copy_(grad.detach())  # squared with the others at the flush
+                param.grad = view + grad if held[index] else grad
+                held[index] = 0  # .grad is no longer the buffer: the next take copies it
+            else:  # something set .grad to None during the backward
+                param.grad = view if held[index] else None
 
     def restore(self) -> None:
         """Put the window's gradients back into ``.grad`` if a backward between take and give_back never ended."""
         if not self._taken:
             return
         self._taken = False
-        for param, view, held in zip(self.params, self.views, self._held, strict=True):
-            if not held:
-                continue
-            if param.grad is not None:  # what the interrupted backward wrote, added as autograd would have
-                view.add_(param.grad.detach())
-            param.grad = view
+        for param, view, place, held in zip(self.params, self.views, self._places[self._row], self._held, strict=True):
+            if param.grad is place:  # what the interrupted backward wrote, added as autograd would have
+                view.add_(place) if held else view.copy_(place)
+                param.grad = view
+            elif held:
+                param.grad = view
+        self._row += 1
+
+    def flush(self, sums: SquareSums) -> None:
+        """Add the squared norms of the rows written since the last flush to their slots of ``sums``; zero them."""
+        count = self._row
+        if not count:
+            return
+        rows = self.rows[:count]
+        sums.add_rows(self._first_slot, rows if self._wide else rows.float())
+        rows.zero_()
+        self._row = 0
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradients that exist: the buffer itself when it holds every one as ``.grad``."""
@@ -255,6 +302,15 @@ class HeldGradients:
         if self._held.count(1) == len(self._held) and all(map(operator.is_, grads, self.views)):
             return [self.buffer]
         return [grad for grad in grads if grad is not None]
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _on_host(sums: torch.Tensor, *columns: list[Any]) -> tuple[list[float], ...]:
@@ -317,8 +373,7 @@ class NoiseScale(Feature):
         self._unhooked: list[torch.Tensor] = []  # its parameters not taken in yet (frozen so far)
         self._large: list[torch.Tensor] = []  # parameters whose gradients are squared in their hooks
         self._held: HeldGradients | None = None  # the small parameters' gradients, held between backwards
-        self._stage_hooks = False  # whether the small parameters have hooks (several ranks, or large ones hooked)
-        self._holding = False  # whether the small gradients are held between backwards (no large one hooked)
+        self._stage_hooks = False  # whether the small parameters have hooks (several ranks)
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
         self._device: torch.device | None = None  # the first trainable parameter's
@@ -362,13 +417,11 @@ class NoiseScale(Feature):
             self._held.reset()
 
     def _take_in(self, params: list[torch.Tensor], several_ranks: bool) -> None:
-        """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held or staged.
+        """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
 
         The small gradients (of the first small parameter's dtype and device, at most ``STAGING`` elements together)
-        are held between backwards only where no large gradient is hooked: a backward into ``None`` allocates them
-        afresh, and holding them until its end across the large gradients' allocations makes glibc page-fault
-        (twice the minor faults on the 4 x 1024 MLP). Elsewhere, and for a backward that reduces across ranks, their
-        hooks copy them into the staging vector as backward produces them.
+        get a hook only where a backward may reduce them across ranks (``several_ranks``): it copies them into the
+        staging vector as backward produces them, before the reduction.
         """
         small = list(self._held.params) if self._held is not None else []
         staged = sum(param.numel() for param in small)
@@ -391,15 +444,15 @@ class NoiseScale(Feature):
                 self._large.append(param)
                 self._hooks[id(param)] = param.register_hook(self._add_large)
         self._unhooked = [param for param in self._unhooked if id(param) not in self._hooks]
-        self._holding = not self._large
-        stage_hooks = bool(small) and (several_ranks or not self._holding)
-        if self._held is not None and len(self._held.params) == len(small) and stage_hooks == self._stage_hooks:
-            return  # nothing new
+        if self._held is not None and len(self._held.params) == len(small):
+            return  # no new small parameter
+        stage_hooks = bool(small) and several_ranks
         for index, param in enumerate(small):  # the stage hooks hold indices into the new held parameters
             if self._hooks[id(param)] is not None:
                 self._hooks[id(param)].remove()
             self._hooks[id(param)] = param.register_hook(self._stager(index)) if stage_hooks else None
-        self._held, self._stage_hooks = (HeldGradients(small) if small else None), stage_hooks
+        self._held = HeldGradients(small, staging=stage_hooks) if small else None
+        self._stage_hooks = stage_hooks
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
@@ -418,12 +471,12 @@ class NoiseScale(Feature):
         if self._sums is None:
             self._sums = SquareSums(self._device or torch.device("cpu"))
         self._sums.start(self._backwards)
-        # where no large gradient is hooked, a backward that reduces nothing across ranks writes the small parameters'
-        # gradients into None, to be read whole afterwards; otherwise they are staged by their hooks (before any
-        # reduction). Large gradients are squared in their hooks, while backward has just written them.
-        self._taking = self._holding and self._held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
+        # a backward that reduces nothing across ranks writes the small parameters' gradients into a row of their
+        # own, squared with the others at the step; one that reduces them is staged by their hooks before the
+        # reduction. Large gradients are squared in their hooks, while backward has just written them.
+        self._taking = self._held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
         if self._taking:
-            self._held.take()  # type: ignore[union-attr]
+            self._held.take(self._backwards, self._sums)  # type: ignore[union-attr]
         self._staging_now = self._stage_hooks and not self._taking
         if self._staging_now:
             self._seen = bytearray(len(self._held.params))  # type: ignore[union-attr]
@@ -459,11 +512,11 @@ class NoiseScale(Feature):
             return
         held = self._held
         if self._taking:
-            held.give_back(self._sums)  # type: ignore[union-attr]
+            held.give_back()  # type: ignore[union-attr]
         elif self._staging_now:
             assert held is not None
             staged = self._seen.count(1)
-            if staged == len(held.params):
+            if staged == len(held.params) and held.staging is not None:
                 self._sums.add(held.staging)  # every small gradient in place: one dot
             elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
                 self._sums.add_all([], [view for view, seen in zip(held.stage_views, self._seen, strict=True) if seen])
@@ -485,11 +538,14 @@ class NoiseScale(Feature):
         sums = self._sums
         if not count or not (large or small) or sums is None:
             return
+        if self._held is not None:
+            self._held.flush(sums)  # the backwards' rows of small gradients into their slots
         sums.start(count)
         sums.add_all(large, small)
         sums.finish()
         # one transfer to the host per optimizer step: the sums, and whatever unscales and items are tensors
-        squares, unscales, items = _on_host(sums.buffer, unscales, items)
+        host, unscales, items = _on_host(sums.buffer, unscales, items)
+        squares = sums.values(host)
         bearing = [i for i in range(count) if items[i] > 0]  # a micro-batch without items holds no gradient sample
         if not bearing:
             return
@@ -524,7 +580,7 @@ class NoiseScale(Feature):
         self._hooks, self._large, self._held, self._unhooked, self._module = {}, [], None, [], None
         self._unscales, self._small_items = [], []
         self._sums, self._adding, self._backwards, self._taking, self._staging_now = None, False, 0, False, False
-        self._stage_hooks, self._holding, self._seen, self._device = False, False, bytearray(), None
+        self._stage_hooks, self._seen, self._device = False, bytearray(), None
 
     @override
     def state_dict(self) -> dict[str, Any]:
