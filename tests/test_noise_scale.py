@@ -116,7 +116,7 @@ class GradientProbe(pl.LightningModule):
     def __init__(self, width: int) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Linear(16, width)  # 16 x 1024 weights: squared in a hook (the small ones then staged)
+        self.body = nn.Linear(16, width)  # 16 x 1024 weights: squared in a hook
         self.out = nn.Linear(width, 1)
         self.odd = nn.Linear(16, 1)  # no gradient in even micro-batches
         self.seen: list[list[torch.Tensor | None]] = []
@@ -136,11 +136,11 @@ class GradientProbe(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
 
 
-@pytest.mark.parametrize("width", [512, 1024], ids=["small-held", "large-hooked"])
+@pytest.mark.parametrize("width", [512, 1024], ids=["small-only", "with-a-large-weight"])
 @pytest.mark.parametrize("zero_grad", ["set_to_none", "zeroed"])
 def test_the_noise_scale_leaves_every_gradient_as_autograd_accumulates_it(zero_grad, width):
-    """Holding the small gradients between backwards (a model without a large weight) or staging them from hooks
-    changes no value of ``.grad`` after any backward, nor of a weight."""
+    """Writing each backward's small gradients into a row and holding their sum, beside a large weight's hook or
+    not, changes no value of ``.grad`` after any backward, nor of a weight."""
 
     class Probe(GradientProbe):
         def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:

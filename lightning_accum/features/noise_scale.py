@@ -4,14 +4,15 @@ Each micro-batch's squared gradient norm is summed on the device, in float32, in
 (:class:`SquareSums`), with nothing moved to the host until the optimizer step:
 
 - the small parameters (under ``LARGE`` elements, at most ``STAGING`` together, of one dtype) get no hook where a
-  backward reduces nothing across ranks: :class:`HeldGradients` sets their ``.grad`` to ``None`` before it, holding
-  the window's sum so far in one flat buffer, so autograd hands the micro-batch's gradient over whole; after it that
-  gradient is copied into a float32 staging vector, squared with one dot, added to the buffer, and the buffer's
-  places are put back as ``.grad`` (the same additions autograd makes: the same bits). Where a backward reduces
-  (DDP's last micro-step), their hooks copy them into the staging vector before the reduction instead;
-- a large parameter's hook squares its gradient at once with one dot, as backward produces it. No hook keeps a
-  gradient: autograd frees each as it would without the estimate, so the allocator sees the same pattern (a
-  gradient held across backward's large allocations makes glibc page-fault megabytes per micro-step).
+  backward reduces nothing across ranks: :class:`HeldGradients` points their ``.grad`` at a zeroed row before it,
+  holding the window's sum so far in one flat buffer, so autograd adds the micro-batch's gradient into the row in
+  place; after it the row is added to the buffer and ``.grad`` points back at the buffer (the same additions
+  autograd makes: the same values). The rows are squared together, one reduction, at the step. Where a backward
+  reduces (DDP's last micro-step), their hooks copy them into a float32 staging vector before the reduction instead;
+- a large parameter's hook squares its gradient at once with one dot, as backward produces it. Nothing keeps a
+  gradient that backward allocated: autograd frees each as it would without the estimate, so the allocator sees the
+  same pattern (a gradient held across backward's large allocations makes glibc page-fault megabytes per
+  micro-step).
 
 Once the window's gradient is its mean, its squared norm joins the micro-batch ones in the estimator of
 :mod:`lightning_accum.noise`. Each micro-batch's gradient is that of the loss Lightning backpropagates, so its sum
