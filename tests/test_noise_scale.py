@@ -230,3 +230,26 @@ def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
     from tests.test_features import _noise_scale_reference
 
     assert ctx.noise_scale == pytest.approx(_noise_scale_reference(reference, batches), rel=1e-4)
+
+
+def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
+    """The window's first backward interrupted: a parameter it did not reach has no gradient after the fit's end."""
+    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.features import NoiseScale
+
+    torch.manual_seed(0)
+    used, unused = nn.Linear(5, 1), nn.Linear(5, 1)
+    net = nn.ModuleList([used, unused])
+    features, ctx = Features([NoiseScale()]), Context(module=net)
+    ctx.window.open(2)
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    x, y = make_data(4, seed=2)
+    ctx.window.take(ends_epoch=False)
+    ctx.batch, ctx.loss_divisor = (x, y), 2.0
+    features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+    features.dispatch(Event.BEFORE_BACKWARD, ctx)
+    (nn.functional.mse_loss(used(x), y) / 2).backward()
+    features.dispatch(Event.FIT_END, ctx)  # on_exception: the backward's on_after_backward never came
+    expected = torch.autograd.grad(nn.functional.mse_loss(used(x), y) / 2, list(used.parameters()))
+    assert all(torch.equal(p.grad, g) for p, g in zip(used.parameters(), expected, strict=True))
+    assert all(p.grad is None for p in unused.parameters())

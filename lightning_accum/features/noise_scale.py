@@ -279,12 +279,14 @@ class HeldGradients:
         if not self._taken:
             return
         self._taken = False
-        for param, view, place, held in zip(self.params, self.views, self._places[self._row], self._held, strict=True):
-            if param.grad is place:  # what the interrupted backward wrote, added as autograd would have
-                view.add_(place) if held else view.copy_(place)
+        places = self._places[self._row]
+        for index, (param, view, place) in enumerate(zip(self.params, self.views, places, strict=True)):
+            held = self._held[index]
+            if param.grad is place and place._version != self._versions[index]:  # the interrupted backward wrote it
+                view.add_(place) if held else view.copy_(place)  # added as autograd would have
                 param.grad = view
-            elif held:
-                param.grad = view
+            elif param.grad is place or param.grad is None:
+                param.grad = view if held else None
         self._row += 1
 
     def flush(self, sums: SquareSums) -> None:
