@@ -253,3 +253,58 @@ def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
     expected = torch.autograd.grad(nn.functional.mse_loss(used(x), y) / 2, list(used.parameters()))
     assert all(torch.equal(p.grad, g) for p, g in zip(used.parameters(), expected, strict=True))
     assert all(p.grad is None for p in unused.parameters())
+
+
+class ConvAndEmbedding(nn.Module):
+    """A channels_last convolution (its gradient keeps the parameter's strides) and a sparse embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.embedding = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        images, tokens = batch
+        return self.conv(images).mean((2, 3)).pow(2).sum() + self.embedding(tokens).sum(1).pow(2).sum()
+
+
+def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_sparse_optimizers():
+    """A channels_last weight's gradient keeps its strides (fused Adam pairs weight and gradient by memory position)
+    and an embedding's gradient stays sparse (SparseAdam refuses a dense one): the weights equal plain PyTorch's."""
+    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.features import NoiseScale
+    from lightning_accum.window import Window
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(2, 3, 6, 6, generator=generator), torch.randint(0, 10, (2, 3), generator=generator))
+        for _ in range(6)
+    ]
+    nets = {}
+    for noise in (False, True):
+        net = ConvAndEmbedding()
+        dense = torch.optim.Adam(net.conv.parameters(), lr=1e-2, fused=True)
+        sparse = torch.optim.SparseAdam(net.embedding.parameters(), lr=1e-2)
+        features, ctx = Features([NoiseScale(decay=0.0)] if noise else []), Context(module=net)
+        for start in (0, 3):  # two windows of three micro-batches
+            ctx.window = Window()
+            ctx.window.open(3)
+            features.dispatch(Event.WINDOW_OPENED, ctx)
+            for batch in batches[start : start + 3]:
+                ctx.window.take(ends_epoch=False)
+                ctx.batch, ctx.loss_divisor = batch, 3.0
+                features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+                features.dispatch(Event.BEFORE_BACKWARD, ctx)
+                (net(batch) / 3).backward()
+                features.dispatch(Event.AFTER_BACKWARD, ctx)
+                assert net.conv.weight.grad.stride() == net.conv.weight.stride()
+                assert net.embedding.weight.grad.is_sparse
+            features.dispatch(Event.GRADIENT_READY, ctx)
+            dense.step()
+            sparse.step()
+            dense.zero_grad()
+            sparse.zero_grad()
+        nets[noise] = net
+    for a, b in zip(nets[False].parameters(), nets[True].parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -86,6 +86,8 @@ class SquareSums:
         slot = self._slots[self._index]
         if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
             tensor = tensor.detach()
+        if tensor.is_sparse:  # an embedding's sparse gradient: its entries, each index once
+            tensor = tensor.coalesce().values()
         if tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.device == slot.device:
             flat = tensor.view(-1)
             if self._written:
@@ -415,16 +417,24 @@ class NoiseScale(Feature):
         if self._module is not ctx.module:  # the module's parameters, listed once per fit
             self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
         if any(param.requires_grad for param in self._unhooked):  # the first window, or a backbone unfrozen since
-            self._take_in(self._unhooked, several_ranks=ctx.world_size > 1)
+            sparse = {  # nn.Embedding(sparse=True) and the like: their gradients stay sparse, as autograd makes them
+                id(param)
+                for module in ctx.module.modules()
+                if getattr(module, "sparse", False) is True
+                for param in module.parameters(recurse=False)
+            }
+            self._take_in(self._unhooked, several_ranks=ctx.world_size > 1, keep=sparse)
         if self._held is not None:
             self._held.reset()
 
-    def _take_in(self, params: list[torch.Tensor], several_ranks: bool) -> None:
+    def _take_in(self, params: list[torch.Tensor], several_ranks: bool, keep: set[int]) -> None:
         """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
 
-        The small gradients (of the first small parameter's dtype and device, at most ``STAGING`` elements together)
-        get a hook only where a backward may reduce them across ranks (``several_ranks``): it copies them into the
-        staging vector as backward produces them, before the reduction.
+        The small gradients (of contiguous parameters of the first small one's dtype and device, at most ``STAGING``
+        elements together) get a hook only where a backward may reduce them across ranks (``several_ranks``): it
+        copies them into the staging vector as backward produces them, before the reduction. A parameter in ``keep``
+        (sparse gradients), and one stored in another layout (``channels_last``, a transposed view: autograd gives its
+        gradient the parameter's strides, which fused optimizers rely on), is squared in its hook as a large one is.
         """
         small = list(self._held.params) if self._held is not None else []
         staged = sum(param.numel() for param in small)
@@ -436,6 +446,8 @@ class NoiseScale(Feature):
             dtype = small[0].dtype if small else param.dtype  # the held buffer's
             if (
                 param.numel() < LARGE
+                and id(param) not in keep
+                and param.is_contiguous()
                 and param.device == self._device
                 and param.dtype == dtype
                 and staged + param.numel() <= STAGING
