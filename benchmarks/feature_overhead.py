@@ -147,7 +147,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], int, int, int]] = {
 }
 
 
-REPEAT = 3  # timed fits per interpreter: the fastest is the configuration's time, the others were interrupted
+REPEAT = 3  # timed fits per interpreter: the fastest is the configuration's time, the slower lost time to other work
 
 
 def measure(spec: dict[str, Any]) -> float:
