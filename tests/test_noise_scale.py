@@ -12,9 +12,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
+from lightning_accum.events import Context, Event, Features
+from lightning_accum.features import NoiseScale
 from lightning_accum.noise import NoiseScaleEstimator
+from lightning_accum.window import Window
 from tests import helpers
 from tests.helpers import RegressionModule, make_data, make_net, trainer
+from tests.test_features import _noise_scale_reference
 
 
 def exact_noise_scale(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -166,12 +170,17 @@ def test_the_noise_scale_leaves_every_gradient_as_autograd_accumulates_it(zero_g
     assert noisy.trainer.callbacks[0].features["noise_scale"].estimate.noise_scale is not None
 
 
+def start_backward(features: Features, ctx: Context, batch: Any, loss_divisor: float) -> None:
+    """A micro-batch up to its backward, with the events the callback dispatches around Lightning's hooks."""
+    ctx.window.take(ends_epoch=False)
+    ctx.batch, ctx.loss_divisor = batch, loss_divisor
+    features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+    features.dispatch(Event.BEFORE_BACKWARD, ctx)
+
+
 def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
     """An exception between the noise scale's ``on_before_backward`` and ``on_after_backward``: the fit's end puts the
     window's gradients back into ``.grad``, with what the interrupted backward wrote added."""
-    from lightning_accum.events import Context, Event, Features
-    from lightning_accum.features import NoiseScale
-
     x, y = make_data(12, seed=5)
     batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 12, 4)]
     net, reference = make_net(), make_net()
@@ -179,10 +188,7 @@ def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
     ctx.window.open(3)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     for index, (xb, yb) in enumerate(batches):
-        ctx.window.take(ends_epoch=False)
-        ctx.batch, ctx.loss_divisor = (xb, yb), 3.0
-        features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
-        features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        start_backward(features, ctx, (xb, yb), 3.0)
         (nn.functional.mse_loss(net(xb), yb) / 3).backward()
         (nn.functional.mse_loss(reference(xb), yb) / 3).backward()
         if index == 1:  # another callback's on_after_backward raises before this one's
@@ -196,8 +202,6 @@ def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
 def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
     """micro_batch_size='auto' drops a window whose backward ran out of memory (its gradients set to None, the window
     opened again): what that backward wrote must not reach the next window's gradients or estimate."""
-    from lightning_accum.events import Context, Event, Features
-    from lightning_accum.features import NoiseScale
 
     x, y = make_data(16, seed=6)
     batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
@@ -205,10 +209,7 @@ def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
     features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
     ctx.window.open(4)
     features.dispatch(Event.WINDOW_OPENED, ctx)
-    ctx.window.take(ends_epoch=False)
-    ctx.batch, ctx.loss_divisor = batches[0], 4.0
-    features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
-    features.dispatch(Event.BEFORE_BACKWARD, ctx)
+    start_backward(features, ctx, batches[0], 4.0)
     (nn.functional.mse_loss(net(x[:4]), y[:4]) * 100).backward()  # the failed attempt's gradient, then out of memory
     for param in net.parameters():
         param.grad = None  # as the micro-batcher drops them
@@ -217,25 +218,18 @@ def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
     features.dispatch(Event.WINDOW_OPENED, ctx)
     reference = make_net()
     for xb, yb in batches:
-        ctx.window.take(ends_epoch=False)
-        ctx.batch, ctx.loss_divisor = (xb, yb), 4.0
-        features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
-        features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        start_backward(features, ctx, (xb, yb), 4.0)
         (nn.functional.mse_loss(net(xb), yb) / 4).backward()
         (nn.functional.mse_loss(reference(xb), yb) / 4).backward()
         features.dispatch(Event.AFTER_BACKWARD, ctx)
     for a, b in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     features.dispatch(Event.GRADIENT_READY, ctx)
-    from tests.test_features import _noise_scale_reference
-
     assert ctx.noise_scale == pytest.approx(_noise_scale_reference(reference, batches), rel=1e-4)
 
 
 def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
     """The window's first backward interrupted: a parameter it did not reach has no gradient after the fit's end."""
-    from lightning_accum.events import Context, Event, Features
-    from lightning_accum.features import NoiseScale
 
     torch.manual_seed(0)
     used, unused = nn.Linear(5, 1), nn.Linear(5, 1)
@@ -244,10 +238,7 @@ def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
     ctx.window.open(2)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     x, y = make_data(4, seed=2)
-    ctx.window.take(ends_epoch=False)
-    ctx.batch, ctx.loss_divisor = (x, y), 2.0
-    features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
-    features.dispatch(Event.BEFORE_BACKWARD, ctx)
+    start_backward(features, ctx, (x, y), 2.0)
     (nn.functional.mse_loss(used(x), y) / 2).backward()
     features.dispatch(Event.FIT_END, ctx)  # on_exception: the backward's on_after_backward never came
     expected = torch.autograd.grad(nn.functional.mse_loss(used(x), y) / 2, list(used.parameters()))
@@ -272,9 +263,6 @@ class ConvAndEmbedding(nn.Module):
 def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_sparse_optimizers():
     """A channels_last weight's gradient keeps its strides (fused Adam pairs weight and gradient by memory position)
     and an embedding's gradient stays sparse (SparseAdam refuses a dense one): the weights equal plain PyTorch's."""
-    from lightning_accum.events import Context, Event, Features
-    from lightning_accum.features import NoiseScale
-    from lightning_accum.window import Window
 
     generator = torch.Generator().manual_seed(1)
     batches = [
@@ -292,10 +280,7 @@ def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_spar
             ctx.window.open(3)
             features.dispatch(Event.WINDOW_OPENED, ctx)
             for batch in batches[start : start + 3]:
-                ctx.window.take(ends_epoch=False)
-                ctx.batch, ctx.loss_divisor = batch, 3.0
-                features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
-                features.dispatch(Event.BEFORE_BACKWARD, ctx)
+                start_backward(features, ctx, batch, 3.0)
                 (net(batch) / 3).backward()
                 features.dispatch(Event.AFTER_BACKWARD, ctx)
                 assert net.conv.weight.grad.stride() == net.conv.weight.stride()

@@ -216,7 +216,7 @@ class HeldGradients:
             self._first_slot = slot
         params, views, held = self.params, self.views, self._held
         grads = [param.grad for param in params]
-        if not (held.count(1) == len(held) and all(map(operator.is_, grads, views))):  # not just as given back
+        if not self._given_back(grads):
             copy_to, copy_from = [], []
             for index, grad in enumerate(grads):
                 if grad is None:
@@ -237,30 +237,24 @@ class HeldGradients:
     def give_back(self) -> None:
         """After the backward: its gradients into the buffer, ``.grad`` back to the buffer's places."""
         self._taken = False
-        params, views, held = self.params, self.views, self._held
-        places = self._places[self._row]
+        params, views, places = self.params, self.views, self._places[self._row]
         grads = [param.grad for param in params]
-        if all(map(operator.is_, grads, places)) and all(
-            map(operator.ne, [place._version for place in places], self._versions)
-        ):  # the usual case: every parameter got a gradient, added into its place
-            holding = held.count(1)
-            if holding == len(held):
-                self.buffer.add_(self.rows[self._row])
-            elif not holding:
-                self.buffer.copy_(self.rows[self._row])
-                self._held = bytearray(b"\x01" * len(params))
-            else:
-                for index, place in enumerate(places):
-                    views[index].add_(place) if held[index] else views[index].copy_(place)
-                self._held = bytearray(b"\x01" * len(params))
+        holding = self._held.count(1)
+        if (
+            holding in (0, len(params))  # the window's first backward, or any later one: one copy or addition
+            and all(map(operator.is_, grads, places))
+            and all(map(operator.ne, [place._version for place in places], self._versions))  # each got a gradient
+        ):
+            self.buffer.add_(self.rows[self._row]) if holding else self.buffer.copy_(self.rows[self._row])
+            self._held = bytearray(b"\x01" * len(params))
             for param, view in zip(params, views, strict=True):
                 param.grad = view
+            self._row += 1
         else:
             self._give_back_each(grads, places)
-        self._row += 1
 
     def _give_back_each(self, grads: list[torch.Tensor | None], places: list[torch.Tensor]) -> None:
-        """:meth:`give_back` parameter by parameter: some got no gradient, or the backward kept its graph."""
+        """:meth:`give_back` one parameter at a time: some got no gradient, or hold no sum yet, or kept a graph."""
         held = self._held
         for index, (param, grad, place) in enumerate(zip(self.params, grads, places, strict=True)):
             view = self.views[index]
@@ -275,21 +269,12 @@ class HeldGradients:
                 held[index] = 0  # .grad is no longer the buffer: the next take copies it
             else:  # something set .grad to None during the backward
                 param.grad = view if held[index] else None
+        self._row += 1
 
     def restore(self) -> None:
-        """Put the window's gradients back into ``.grad`` if a backward between take and give_back never ended."""
-        if not self._taken:
-            return
-        self._taken = False
-        places = self._places[self._row]
-        for index, (param, view, place) in enumerate(zip(self.params, self.views, places, strict=True)):
-            held = self._held[index]
-            if param.grad is place and place._version != self._versions[index]:  # the interrupted backward wrote it
-                view.add_(place) if held else view.copy_(place)  # added as autograd would have
-                param.grad = view
-            elif param.grad is place or param.grad is None:
-                param.grad = view if held else None
-        self._row += 1
+        """:meth:`give_back` for a backward that never ended: what it wrote is added, as autograd would have."""
+        if self._taken:
+            self.give_back()
 
     def flush(self, sums: SquareSums) -> None:
         """Add the squared norms of the rows written since the last flush to their slots of ``sums``; zero them."""
@@ -304,9 +289,13 @@ class HeldGradients:
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradients that exist: the buffer itself when it holds every one as ``.grad``."""
         grads = [param.grad for param in self.params]
-        if self._held.count(1) == len(self._held) and all(map(operator.is_, grads, self.views)):
+        if self._given_back(grads):
             return [self.buffer]
         return [grad for grad in grads if grad is not None]
+
+    def _given_back(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether ``grads`` (each parameter's ``.grad``) are the buffer's places, holding every parameter's sum."""
+        return self._held.count(1) == len(self._held) and all(map(operator.is_, grads, self.views))
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:
