@@ -134,9 +134,10 @@ class LoopControl:
                     f" {pl.__version__} does not have: install a lightning version within the range that"
                     " lightning_accum pins"
                 )
+        should_accumulate = self._should_accumulate(epoch_loop)
         routed = {
-            "_should_accumulate": self._should_accumulate(epoch_loop),
-            "update_lr_schedulers": self._update_lr_schedulers(epoch_loop),
+            "_should_accumulate": should_accumulate,
+            "update_lr_schedulers": self._update_lr_schedulers(epoch_loop, should_accumulate),
             "_make_zero_grad_fn": self._make_zero_grad_fn(owners["automatic_optimization"]),
         }
         for owner, name in _SHADOWED:
@@ -165,13 +166,17 @@ class LoopControl:
 
         return should_accumulate
 
-    def _update_lr_schedulers(self, epoch_loop: Any) -> Callable[[str, bool], None]:
+    def _update_lr_schedulers(
+        self, epoch_loop: Any, should_accumulate: Callable[[], bool]
+    ) -> Callable[[str, bool], None]:
         lightning_update = epoch_loop.update_lr_schedulers
         trainer = self._trainer
 
         def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
             if self._following or interval != "step":
                 lightning_update(interval, update_plateau_schedulers)
+                return
+            if should_accumulate():  # inside a window (twice per micro-step): what Lightning would return on
                 return
             configs = trainer.strategy.lr_scheduler_configs
             if not any(config.frequency > 1 for config in configs):

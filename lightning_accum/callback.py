@@ -280,6 +280,7 @@ class AccumulationScheduler(Callback):
         ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
         ctx.schedule, ctx.factor, ctx.summary = self._schedule, self._scheduled_factor(trainer), []
         self._features.dispatch(Event.FIT_START, ctx)
+        self._features.settle()  # the features this fit gives nothing to do leave the window events
         self._take_charge(trainer)  # before the loop resets: a restart asks where the last window ended
         self._resume.between_windows(trainer, self._current_state())
         if self._schedule.max_factor > 1 or self._features.handle(Event.WINDOW_OPENING):
@@ -311,9 +312,9 @@ class AccumulationScheduler(Callback):
         assert loop is not None, "_take_charge checked it"
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         batch_idx = trainer.fit_loop.epoch_loop.batch_idx
-        ctx.optimizer_steps = trainer.global_step
         self._resume.in_step = True
         if ctx.window.closed:
+            ctx.optimizer_steps = trainer.global_step  # it changes only at a window's end
             self._resume.window_opened(trainer)
             self._open_window(trainer, batch_idx)
         ctx.window.take(ends_epoch=ends_epoch(trainer, batch_idx))
@@ -379,7 +380,8 @@ class AccumulationScheduler(Callback):
         ctx = self._ctx
         ctx.samples_seen += ctx.samples_per_micro_step
         ctx.micro_steps += 1
-        ctx.optimizer_steps = trainer.global_step
+        if ctx.window.closed:  # the window's last micro-step, which steps (or skipped its step)
+            ctx.optimizer_steps = trainer.global_step
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         ctx.loss = loss if isinstance(loss, torch.Tensor) else None
         if self._splitting:  # the loader batch's loss and items, over its micro-batches
@@ -552,13 +554,21 @@ class AccumulationScheduler(Callback):
 
     def _take_charge(self, trainer: pl.Trainer) -> bool:
         """Whether the windows run this micro-step (not while another component sets the factor itself)."""
-        assert self._loop is not None, "setup creates the loop control"
-        return self._loop.take_charge(at_epoch_start=trainer.fit_loop.epoch_loop.batch_idx == 0)
+        loop = self._loop
+        assert loop is not None, "setup creates the loop control"
+        if loop.in_charge and not loop.changed_elsewhere():  # every micro-step but the first
+            return True
+        return loop.take_charge(at_epoch_start=trainer.fit_loop.epoch_loop.batch_idx == 0)
 
     def _scheduled_factor(self, trainer: pl.Trainer) -> int:
-        assert self._schedule is not None, "on_train_start builds the schedule"
-        ctx = self._ctx
-        return self._schedule.factor_at(_position(trainer, ctx.samples_seen, ctx.tokens_seen)[self._schedule.unit])
+        schedule, ctx = self._schedule, self._ctx
+        assert schedule is not None, "on_train_start builds the schedule"
+        unit = schedule.unit
+        if unit == "step":
+            return schedule.factor_at(trainer.global_step)
+        if unit == "epoch":
+            return schedule.factor_at(trainer.current_epoch)
+        return schedule.factor_at(_position(trainer, ctx.samples_seen, ctx.tokens_seen)[unit])
 
     def _release(self, trainer: pl.Trainer) -> None:
         """Give the Trainer back as it was; safe to call more than once."""

@@ -209,6 +209,15 @@ class Feature:
         """Whether this feature overrides ``event``'s method."""
         return getattr(type(self), event.value) is not getattr(Feature, event.value)
 
+    @property
+    def idle(self) -> bool:
+        """Whether this fit gives the feature nothing to do at the window events (asked once, after ``FIT_START``).
+
+        An idle feature still gets ``SETUP``, ``FIT_START`` and ``FIT_END``; the events in between skip it, which
+        saves a call per event on every micro-step (e.g. wide accumulation when every parameter is float32).
+        """
+        return False
+
     def reset(self) -> None:
         """Forget the state of an earlier run: a new fit starts from optimizer step 0 (a checkpoint loads after)."""
 
@@ -259,6 +268,9 @@ class Feature:
         """Amend the whole checkpoint being written (Lightning's dict), e.g. to keep a transient change out of it."""
 
 
+_EVERY_FEATURE = (Event.SETUP, Event.FIT_START, Event.FIT_END)  # events no feature is ever left out of
+
+
 class Features(Mapping[str, Feature]):
     """The enabled features by name, in dispatch order, with the handlers of each event resolved once.
 
@@ -271,10 +283,21 @@ class Features(Mapping[str, Feature]):
 
     def __init__(self, features: Iterable[Feature]) -> None:
         self._features = {feature.name: feature for feature in features}
-        self._handlers = {
-            event: tuple(getattr(feature, event.value) for feature in self._features.values() if feature.handles(event))
-            for event in Event
+        self._handlers = self._resolve(self._features.values())
+
+    @staticmethod
+    def _resolve(features: Iterable[Feature]) -> dict[Event, tuple[Callable[[Context], None], ...]]:
+        listed = list(features)
+        return {
+            event: tuple(getattr(feature, event.value) for feature in listed if feature.handles(event)) for event in Event
         }
+
+    def settle(self) -> None:
+        """Leave the features that are :attr:`~Feature.idle` for this fit out of the window events (after
+        ``FIT_START``; the next fit's ``FIT_START`` asks again)."""
+        every = self._resolve(self._features.values())
+        busy = self._resolve(feature for feature in self._features.values() if not feature.idle)
+        self._handlers = {event: every[event] if event in _EVERY_FEATURE else busy[event] for event in Event}
 
     def dispatch(self, event: Event, ctx: Context) -> None:
         """Call every feature that handles ``event``, in order."""

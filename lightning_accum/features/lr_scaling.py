@@ -80,7 +80,9 @@ class LRScaling(Feature):
                 f" started with ({self.base_batch_size:g}, from the checkpoint); the run keeps {self.base_batch_size:g}"
                 " so that its learning rate continues where it was"
             )
-        self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers]
+        # the rule "none" keeps the scale at 1: nothing to apply around the optimizers' steps
+        scales = self.rule != "none"
+        self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers if scales]
         if ctx.optimizers:
             lr = _configured_lr(ctx.optimizers[0])
             assert self.base_batch_size is not None

@@ -28,16 +28,23 @@ class ProgressBar(Feature):
 
     def __init__(self) -> None:
         self._sized: tuple[int, int] | None = None  # (epoch, factor floor) the bar was last sized for
+        self._bar: TQDMProgressBar | RichProgressBar | None = None  # this fit's, if it is one of Lightning's
 
     @override
     def fit_start(self, ctx: Context) -> None:
         self._sized = None
+        bar = getattr(ctx.trainer, "progress_bar_callback", None)
+        self._bar = bar if isinstance(bar, (TQDMProgressBar, RichProgressBar)) else None
+
+    @property
+    @override
+    def idle(self) -> bool:
+        return self._bar is None
 
     @override
     def window_opened(self, ctx: Context) -> None:
-        trainer = ctx.trainer
-        bar = getattr(trainer, "progress_bar_callback", None)
-        if ctx.schedule is None or not isinstance(bar, (TQDMProgressBar, RichProgressBar)):
+        trainer, bar = ctx.trainer, self._bar
+        if ctx.schedule is None or bar is None:
             return
         if (trainer.current_epoch, ctx.factor_floor) == self._sized:
             return
@@ -58,6 +65,11 @@ class ProgressBar(Feature):
             min_factor=ctx.factor_floor,
         )
         _set_total(bar, first + left)
+
+
+    @override
+    def fit_end(self, ctx: Context) -> None:
+        self._bar = None
 
 
 def _set_total(bar: Any, total: int) -> None:

@@ -137,6 +137,11 @@ class WideAccumulation(Feature):
         self._all_reduce = lambda tensor: torch.distributed.all_reduce(tensor, group=group)
         self._strategy = strategy
 
+    @property
+    @override
+    def idle(self) -> bool:
+        return self._accumulator is None and self._strategy is None and self._restore is None
+
     @override
     def window_opened(self, ctx: Context) -> None:
         if self._accumulator is not None:
