@@ -47,10 +47,10 @@ ROW_TENSORS = 1 << 12  # tensors the rows are split into (one per parameter and 
 class SquareSums:
     """Sums of squared gradient entries, in float32 slots of one buffer on one device: no host synchronisation.
 
-    One slot per backward of the window, then one for the window's mean gradient. A slot is started, added to (a
-    large tensor with one dot, small ones flattened together into one), and finished; the first addition writes the
-    slot, so no slot is zeroed and no result tensor outlives its addition. A slot nothing was added to holds
-    whatever it held: :meth:`values` reads it as zero.
+    One slot per backward of the window, then one for the window's mean gradient. A slot is added to by a hook
+    (started, added to: a large tensor with one dot, small ones flattened together into one; finished) or by
+    :meth:`add_rows`; the first addition writes the slot, so no slot is zeroed and no result tensor outlives its
+    addition. A slot nothing was added to since :meth:`clear` holds whatever it held: :meth:`values` reads it as zero.
 
     Args:
         device: Where the sums are kept: the gradients' device.
@@ -68,18 +68,26 @@ class SquareSums:
     def __init__(self, device: torch.device) -> None:
         self.buffer = torch.zeros(8, device=device)
         self._slots = self.buffer.unbind()  # a view per slot, made once
-        self._filled = bytearray(len(self._slots))  # which slots were added to since they were started
+        self._filled = bytearray(len(self._slots))  # which slots were added to since the last clear
         self._index = 0
         self._written = False
 
-    def start(self, slot: int) -> None:
-        """Make ``slot`` the one added to, growing the buffer (and keeping its earlier slots) if it is too short."""
-        if slot >= len(self._slots):
-            grown = torch.zeros(2 * slot, device=self.buffer.device)
+    def clear(self) -> None:
+        """A new window: no slot holds anything of it."""
+        self._filled = bytearray(len(self._slots))
+
+    def _reserve(self, slots: int) -> None:
+        """Grow the buffer (keeping its slots) to hold at least ``slots`` slots."""
+        if slots > len(self._slots):
+            grown = torch.zeros(2 * slots, device=self.buffer.device)
             grown[: self.buffer.numel()] = self.buffer
             self.buffer, self._slots = grown, grown.unbind()
             self._filled.extend(bytearray(len(self._slots) - len(self._filled)))
-        self._index, self._written = slot, False
+
+    def start(self, slot: int) -> None:
+        """Make ``slot`` the one added to."""
+        self._reserve(slot + 1)
+        self._index, self._written = slot, self._filled[slot] == 1
 
     def add(self, tensor: torch.Tensor) -> None:
         """Add the squared entries of ``tensor`` to the slot."""
@@ -115,6 +123,7 @@ class SquareSums:
     def add_rows(self, first: int, rows: torch.Tensor) -> None:
         """Add the squared entries of each row of ``rows`` (float32 or wider) to the slots from ``first`` on."""
         count = rows.shape[0]
+        self._reserve(first + count)
         target, filled = self.buffer[first : first + count], self._filled[first : first + count]
         if rows.dtype == torch.float32 and not any(filled):  # the usual case: one reduction, written in place
             torch.linalg.vecdot(rows, rows, out=target)
@@ -137,16 +146,17 @@ class SquareSums:
 
 
 class HeldGradients:
-    """The small parameters' gradients of a window: each backward's written into a row of its own, the sum held.
+    """The small parameters' gradients of a window, in rows: each row the window's sum after one more backward.
 
-    Before a backward that reduces nothing across ranks, :meth:`take` points each parameter's ``.grad`` at its place
-    in a zeroed row of :attr:`rows` (a tensor of its own over the rows' storage, so each has its own version
-    counter), keeping the window's sum so far in :attr:`buffer`: autograd adds the backward's gradient into it in
-    place, as it adds into any ``.grad``, allocating nothing that outlives the addition. :meth:`give_back` then adds
-    the row to the buffer (one addition, the one autograd would have made: the same values, in the same dtype) and
-    points ``.grad`` back at the buffer, so hooks after the backward see the window's sum. The rows are squared
-    together, one reduction, by :meth:`flush` (at the optimizer step, or when they run out); a parameter whose
-    row place was not written (its version unchanged) got no gradient and keeps ``None`` if it had none.
+    Before a backward that reduces nothing across ranks, :meth:`take` copies the row ``.grad`` points at into the
+    next row and points each parameter's ``.grad`` at its place there (a tensor of its own over the rows' storage,
+    so each has its own version counter): autograd adds the backward's gradient into it in place, as it adds into
+    any ``.grad``. So ``.grad`` always holds the window's sum so far, with the values autograd gives it, and nothing
+    is done after the backward. Each backward's gradient is the difference of two consecutive rows: :meth:`flush`
+    squares the differences not yet squared together (one subtraction, one reduction), before anything changes
+    ``.grad`` in place (after the window's last backward, before a backward that reduces, when the rows run out). A
+    parameter that had no gradient when the window began keeps ``None`` after every backward that wrote none into
+    its place (its version unchanged), as autograd leaves it.
 
     Args:
         params: Parameters of one dtype, on one device.
@@ -157,9 +167,9 @@ class HeldGradients:
         >>> weight = torch.nn.Parameter(torch.zeros(2))
         >>> held, sums = HeldGradients([weight]), SquareSums(torch.device("cpu"))
         >>> for slot, value in enumerate((3.0, 4.0)):
-        ...     sums.start(slot); held.take(slot, sums)
+        ...     held.take(slot, sums)
         ...     (value * weight.sum()).backward()  # a micro-batch's gradient (value, value)
-        ...     held.give_back(); sums.finish()
+        ...     held.backward_done()
         >>> held.flush(sums); weight.grad.tolist(), sums.values(sums.buffer[:2].tolist())
         ([7.0, 7.0], [18.0, 32.0])
     """
@@ -168,15 +178,10 @@ class HeldGradients:
         self.params = params
         device, dtype = params[0].device, params[0].dtype
         numel = sum(param.numel() for param in params)
-        self.buffer = torch.zeros(numel, dtype=dtype, device=device)  # the window's sum so far
-        self.views: list[torch.Tensor] = []  # each parameter's place in the buffer, in its shape
-        offset = 0
-        for param in params:
-            self.views.append(self.buffer[offset : offset + param.numel()].view(param.shape))
-            offset += param.numel()
-        # rows: as many backwards as fit in STAGING elements, at most ROWS, and at most ROW_TENSORS tensors in all
-        count = max(1, min(ROWS, STAGING // max(numel, 1), ROW_TENSORS // len(params)))
+        # rows: as many as fit in STAGING elements, at most ROWS, at most ROW_TENSORS tensors in all, at least two
+        count = max(2, min(ROWS, STAGING // max(numel, 1), ROW_TENSORS // len(params)))
         self.rows = torch.zeros(count, numel, dtype=dtype, device=device)
+        self._rows = self.rows.unbind()  # a view per row, made once
         storage = self.rows.untyped_storage()
         self._places: list[list[torch.Tensor]] = []  # per row, each parameter's place: own tensors, not views
         for row in range(count):
@@ -187,115 +192,150 @@ class HeldGradients:
                 places.append(place)
                 offset += param.numel()
             self._places.append(places)
-        self._wide = self.rows.dtype in (torch.float32, torch.float64)  # squared in its own dtype
+        self._wide = self.rows.dtype in (torch.float32, torch.float64)  # differenced and squared in its own dtype
         self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
         self.stage_views: list[torch.Tensor] = []
         offset = 0
         for param in params if staging else ():
             self.stage_views.append(self.staging[offset : offset + param.numel()].view(param.shape))  # type: ignore[index]
             offset += param.numel()
-        self._held = bytearray(len(params))  # which parameters' sums the buffer holds
-        self._row = 0  # the next row to write
-        self._first_slot = 0  # the slot (backward of the window) of row 0
-        self._versions: list[int] = []  # of the current row's places, before its backward
-        self._taken = False  # between take and give_back
+        self._held = bytearray(len(params))  # which parameters' .grad holds a value (not None), as autograd keeps it
+        self._all_held = False
+        self._row: int | None = None  # the row .grad points at; None before the window's first take
+        self._last = 0  # the row .grad pointed at when the last window ended
+        self._base = 0  # the rows from here to _row hold differences not yet squared
+        self._first_slot = 0  # the slot (backward of the window) of row _base + 1
+        self._versions: list[int] = []  # of _row's places when taken (while some parameter holds no value)
+        self._taken = False  # between take and backward_done
 
     def reset(self) -> None:
-        """A new window: the buffer holds nothing of it."""
-        self._held = bytearray(len(self.params))
-        used = min(self._row + self._taken, len(self._places))  # a row taken by a backward that failed, too
-        if used:
-            self.rows[:used].zero_()
-        self._row, self._first_slot, self._taken = 0, 0, False
+        """A new window: nothing of it is held yet."""
+        if self._row is not None:
+            self._last = self._row
+        self._row, self._taken = None, False
 
     def take(self, slot: int, sums: SquareSums) -> None:
-        """Before the backward of ``slot``: the window's gradients so far into the buffer, ``.grad`` into a row."""
-        if self._row and (self._row == len(self._places) or slot != self._first_slot + self._row):
-            self.flush(sums)  # the rows are full, or a backward in between did not write one
-        if not self._row:
-            self._first_slot = slot
-        params, views, held = self.params, self.views, self._held
+        """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
+        row, params = self._row, self.params
         grads = [param.grad for param in params]
-        if not self._given_back(grads):
-            copy_to, copy_from = [], []
-            for index, grad in enumerate(grads):
-                if grad is None:
-                    held[index] = 0
-                    continue
-                held[index] = 1
-                if grad is not views[index]:  # autograd's own, or a .grad set elsewhere
-                    copy_to.append(views[index])
-                    copy_from.append(grad.detach())
-            if copy_to:
-                torch._foreach_copy_(copy_to, copy_from)
-        places = self._places[self._row]
-        for param, place in zip(params, places, strict=True):
-            param.grad = place
-        self._versions = [place._version for place in places]
-        self._taken = True
-
-    def give_back(self) -> None:
-        """After the backward: its gradients into the buffer, ``.grad`` back to the buffer's places."""
-        self._taken = False
-        params, views, places = self.params, self.views, self._places[self._row]
-        grads = [param.grad for param in params]
-        holding = self._held.count(1)
         if (
-            holding in (0, len(params))  # the window's first backward, or any later one: one copy or addition
-            and all(map(operator.is_, grads, places))
-            and all(map(operator.ne, [place._version for place in places], self._versions))  # each got a gradient
-        ):
-            self.buffer.add_(self.rows[self._row]) if holding else self.buffer.copy_(self.rows[self._row])
-            self._held = bytearray(b"\x01" * len(params))
-            for param, view in zip(params, views, strict=True):
-                param.grad = view
-            self._row += 1
+            row is not None
+            and row + 1 < len(self._rows)
+            and self._all_held
+            and (row == self._base or slot == self._first_slot + row - self._base)
+            and all(map(operator.is_, grads, self._places[row]))
+        ):  # every backward of the window but the first: one copy
+            self._rows[row + 1].copy_(self._rows[row])
         else:
-            self._give_back_each(grads, places)
+            row = self._settle_row(slot, grads, sums)
+        if row == self._base:
+            self._first_slot = slot
+        row += 1
+        for param, place in zip(params, self._places[row], strict=True):
+            param.grad = place
+        if not self._all_held:
+            self._versions = [place._version for place in self._places[row]]
+        self._row, self._taken = row, True
 
-    def _give_back_each(self, grads: list[torch.Tensor | None], places: list[torch.Tensor]) -> None:
-        """:meth:`give_back` one parameter at a time: some got no gradient, or hold no sum yet, or kept a graph."""
-        held = self._held
-        for index, (param, grad, place) in enumerate(zip(self.params, grads, places, strict=True)):
-            view = self.views[index]
-            if grad is place and place._version == self._versions[index]:  # no gradient in this backward
-                param.grad = view if held[index] else None
-            elif grad is place:
-                view.add_(place) if held[index] else view.copy_(place)
-                held[index], param.grad = 1, view
-            elif grad is not None:  # create_graph=True: autograd made a new sum, keeping its graph
-                place.copy_(grad.detach())  # squared with the others at the flush
-                param.grad = view + grad if held[index] else grad
-                held[index] = 0  # .grad is no longer the buffer: the next take copies it
-            else:  # something set .grad to None during the backward
-                param.grad = view if held[index] else None
-        self._row += 1
+    def _settle_row(self, slot: int, grads: list[torch.Tensor | None], sums: SquareSums) -> int:
+        """The row the next one is copied from, holding what ``.grad`` holds now (copied into the next row)."""
+        row = self._row
+        if row is None:  # the window's first backward
+            return self._start(grads)
+        places, held = self._places[row], self._held
+        dropped = []
+        for index, (grad, place) in enumerate(zip(grads, places, strict=True)):
+            if grad is place:
+                continue
+            if grad is None:
+                if held[index]:  # something dropped it (set to None): the sum starts again from zero
+                    dropped.append(place)
+                    held[index] = 0
+            else:  # a new tensor (create_graph=True sums out of place; or set elsewhere): the sum it holds
+                place.copy_(grad.detach())
+                held[index] = 1
+        self._all_held = held.count(0) == 0
+        pending = row != self._base
+        if pending and (dropped or row + 1 == len(self._rows) or slot != self._first_slot + row - self._base):
+            self.flush(sums)  # the rows full, a sum dropped, or a backward in between not held
+        if dropped:
+            torch._foreach_zero_(dropped)
+        if row + 1 == len(self._rows):
+            self._rows[0].copy_(self._rows[row])
+            row = self._base = 0
+        self._rows[row + 1].copy_(self._rows[row])
+        return row
+
+    def _start(self, grads: list[torch.Tensor | None]) -> int:
+        """The window's first take: the row holding what ``.grad`` holds (zero where it holds ``None``)."""
+        last = self._last
+        self._held = bytearray(grad is not None for grad in grads)
+        self._all_held = self._held.count(0) == 0
+        if last + 1 < len(self._rows) and all(map(operator.is_, grads, self._places[last])):
+            row = last  # .grad left as the last window ended it (zeroed in place, or kept): no copy
+            self._rows[row + 1].copy_(self._rows[row])
+        elif not any(self._held):  # set to None (zero_grad's default): zeros, one fill
+            row = 0
+            self.rows[:2].zero_()
+        else:
+            row = 0
+            self._rows[0].zero_()
+            present = [(place, grad.detach()) for place, grad in zip(self._places[0], grads, strict=True) if grad is not None]
+            torch._foreach_copy_([place for place, _ in present], [grad for _, grad in present])
+            self._rows[1].copy_(self._rows[0])
+        self._base = row
+        return row
+
+    def backward_done(self) -> None:
+        """After the backward: a parameter it gave no gradient, and that had none, gets ``None`` back."""
+        if self._taken and not self._all_held:
+            assert self._row is not None
+            held = self._held
+            for index, (param, place, version) in enumerate(
+                zip(self.params, self._places[self._row], self._versions, strict=True)
+            ):
+                if held[index] or param.grad is not place:
+                    continue
+                if place._version != version:
+                    held[index] = 1
+                else:
+                    param.grad = None  # autograd wrote nothing: it would have left None
+            self._all_held = held.count(0) == 0
+        self._taken = False
 
     def restore(self) -> None:
-        """:meth:`give_back` for a backward that never ended: what it wrote is added, as autograd would have."""
-        if self._taken:
-            self.give_back()
+        """At the fit's end: ``None`` where a backward that never ended wrote nothing, and each ``.grad`` a tensor of
+        its own, so that the rows are freed."""
+        self.backward_done()
+        if self._row is None:
+            return
+        for param, place in zip(self.params, self._places[self._row], strict=True):
+            if param.grad is place:
+                param.grad = place.clone()
+        self._row = None
 
     def flush(self, sums: SquareSums) -> None:
-        """Add the squared norms of the rows written since the last flush to their slots of ``sums``; zero them."""
-        count = self._row
-        if not count:
+        """Add the squared differences of the rows not yet squared (one per backward) to their slots of ``sums``."""
+        row = self._row
+        if row is None or row == self._base:
             return
-        rows = self.rows[:count]
-        sums.add_rows(self._first_slot, rows if self._wide else rows.float())
-        rows.zero_()
-        self._row = 0
+        for param, place in zip(self.params, self._places[row], strict=True):
+            grad = param.grad
+            if grad is not None and grad is not place:  # create_graph=True summed out of place: the sum it holds
+                place.copy_(grad.detach())
+        rows = self.rows[self._base : row + 1]
+        if not self._wide:
+            rows = rows.float()
+        sums.add_rows(self._first_slot, rows[1:] - rows[:-1])
+        self._base = row
 
     def gradients(self) -> list[torch.Tensor]:
-        """The parameters' gradients that exist: the buffer itself when it holds every one as ``.grad``."""
+        """The parameters' gradients that exist: the row ``.grad`` points at, whole, when it holds every one."""
         grads = [param.grad for param in self.params]
-        if self._given_back(grads):
-            return [self.buffer]
+        row = self._row
+        if row is not None and self._all_held and all(map(operator.is_, grads, self._places[row])):
+            return [self._rows[row]]
         return [grad for grad in grads if grad is not None]
-
-    def _given_back(self, grads: list[torch.Tensor | None]) -> bool:
-        """Whether ``grads`` (each parameter's ``.grad``) are the buffer's places, holding every parameter's sum."""
-        return self._held.count(1) == len(self._held) and all(map(operator.is_, grads, self.views))
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:
@@ -415,6 +455,8 @@ class NoiseScale(Feature):
             self._take_in(self._unhooked, several_ranks=ctx.world_size > 1, keep=sparse)
         if self._held is not None:
             self._held.reset()
+        if self._sums is not None:
+            self._sums.clear()
 
     def _take_in(self, params: list[torch.Tensor], several_ranks: bool, keep: set[int]) -> None:
         """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
@@ -472,22 +514,28 @@ class NoiseScale(Feature):
     def before_backward(self, ctx: Context) -> None:
         if not self._hooks:
             return
-        if self._sums is None:
-            self._sums = SquareSums(self._device or torch.device("cpu"))
-        self._sums.start(self._backwards)
-        # a backward that reduces nothing across ranks writes the small parameters' gradients into a row of their
-        # own, squared with the others at the step; one that reduces them is staged by their hooks before the
-        # reduction. Large gradients are squared in their hooks, while backward has just written them.
-        self._taking = self._held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
+        sums = self._sums
+        if sums is None:
+            sums = self._sums = SquareSums(self._device or torch.device("cpu"))
+        slot, held = self._backwards, self._held
+        # a backward that reduces nothing across ranks adds the small parameters' gradients into a row of their
+        # own; one that reduces them is staged by their hooks before the reduction, which changes .grad in place, so
+        # the rows are squared before it. Large gradients are squared in their hooks, while backward has just
+        # written them.
+        self._taking = held is not None and (ctx.world_size == 1 or _skips_reduction(ctx))
         if self._taking:
-            self._held.take(self._backwards, self._sums)  # type: ignore[union-attr]
+            held.take(slot, sums)  # type: ignore[union-attr]
+        elif held is not None:
+            held.flush(sums)
         self._staging_now = self._stage_hooks and not self._taking
         if self._staging_now:
-            self._seen = bytearray(len(self._held.params))  # type: ignore[union-attr]
-        self._adding = True
+            self._seen = bytearray(len(held.params))  # type: ignore[union-attr]
+        if self._large or self._staging_now:  # the hooks add to this backward's slot
+            sums.start(slot)
+            self._adding = True
         self._unscales.append(ctx.loss_divisor)
         self._small_items.append(self._micro_items)
-        self._backwards += 1
+        self._backwards = slot + 1
 
     def _add_large(self, grad: torch.Tensor) -> None:
         if self._adding:
@@ -512,20 +560,30 @@ class NoiseScale(Feature):
 
     @override
     def after_backward(self, ctx: Context) -> None:
-        if not self._adding or self._sums is None:
+        sums, held = self._sums, self._held
+        if sums is None:
             return
-        held = self._held
+        if self._adding:
+            if self._staging_now:
+                assert held is not None
+                staged = self._seen.count(1)
+                if staged == len(held.params) and held.staging is not None:
+                    sums.add(held.staging)  # every small gradient in place: one dot
+                elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
+                    sums.add_all([], [view for view, seen in zip(held.stage_views, self._seen, strict=True) if seen])
+            sums.finish()
+            self._adding = self._staging_now = False
         if self._taking:
-            held.give_back()  # type: ignore[union-attr]
-        elif self._staging_now:
             assert held is not None
-            staged = self._seen.count(1)
-            if staged == len(held.params) and held.staging is not None:
-                self._sums.add(held.staging)  # every small gradient in place: one dot
-            elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
-                self._sums.add_all([], [view for view, seen in zip(held.stage_views, self._seen, strict=True) if seen])
-        self._sums.finish()
-        self._adding, self._taking, self._staging_now = False, False, False
+            held.backward_done()
+            if ctx.window.closed:  # the window's last backward: square its rows before anything scales .grad
+                held.flush(sums)
+            self._taking = False
+
+    @override
+    def window_closing(self, ctx: Context) -> None:
+        if self._held is not None and self._sums is not None:
+            self._held.flush(self._sums)  # what a window whose last micro-step skipped its backward left
 
     @override
     def gradient_ready(self, ctx: Context) -> None:
@@ -543,7 +601,7 @@ class NoiseScale(Feature):
         if not count or not (large or small) or sums is None:
             return
         if self._held is not None:
-            self._held.flush(sums)  # the backwards' rows of small gradients into their slots
+            self._held.flush(sums)  # rows left (the window closing events were not dispatched)
         sums.start(count)
         sums.add_all(large, small)
         sums.finish()
