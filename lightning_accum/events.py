@@ -288,13 +288,13 @@ class Features(Mapping[str, Feature]):
     @staticmethod
     def _resolve(features: Iterable[Feature]) -> dict[Event, tuple[Callable[[Context], None], ...]]:
         listed = list(features)
-        return {
-            event: tuple(getattr(feature, event.value) for feature in listed if feature.handles(event)) for event in Event
-        }
+        return {event: tuple(getattr(f, event.value) for f in listed if f.handles(event)) for event in Event}
 
     def settle(self) -> None:
-        """Leave the features that are :attr:`~Feature.idle` for this fit out of the window events (after
-        ``FIT_START``; the next fit's ``FIT_START`` asks again)."""
+        """Leave the features that are :attr:`~Feature.idle` for this fit out of the window events.
+
+        Called after ``FIT_START``; the next fit's ``FIT_START`` asks again.
+        """
         every = self._resolve(self._features.values())
         busy = self._resolve(feature for feature in self._features.values() if not feature.idle)
         self._handlers = {event: every[event] if event in _EVERY_FEATURE else busy[event] for event in Event}

@@ -45,104 +45,84 @@ ROW_TENSORS = 1 << 12  # tensors the rows are split into (one per parameter and 
 
 
 class SquareSums:
-    """Sums of squared gradient entries, in float32 slots of one buffer on one device: no host synchronisation.
+    """The squared gradient norms of a window: one slot per backward, then one for the window's mean gradient.
 
-    One slot per backward of the window, then one for the window's mean gradient. A slot is added to by a hook
-    (started, added to: a large tensor with one dot, small ones flattened together into one; finished) or by
-    :meth:`add_rows`; the first addition writes the slot, so no slot is zeroed and no result tensor outlives its
-    addition. A slot nothing was added to since :meth:`clear` holds whatever it held: :meth:`values` reads it as zero.
+    Each addition is one reduction on the device (a large tensor's squared entries summed, small ones' flattened
+    together, or each row's of a matrix), kept there as it is, with the slot it belongs to; :meth:`values` moves them
+    to the host together, at the optimizer step, and adds them up per slot. Nothing is written into a preallocated
+    slot: an ``out=`` reduction costs several times a plain one on small tensors.
 
     Args:
-        device: Where the sums are kept: the gradients' device.
+        device: Where the sums are computed: the gradients' device.
 
     Example::
 
         >>> sums = SquareSums(torch.device("cpu"))
-        >>> sums.start(0); sums.add(torch.tensor([3.0, 4.0])); sums.finish()
-        >>> sums.start(1); sums.finish()  # nothing added
-        >>> sums.start(2); sums.add_all([], [torch.ones(2, 2), torch.ones(3)]); sums.finish()
-        >>> sums.values(sums.buffer[:3].tolist())
-        [25.0, 0.0, 7.0]
+        >>> sums.add(0, torch.tensor([3.0, 4.0]))
+        >>> sums.add_all(2, [], [torch.ones(2, 2), torch.ones(3)])
+        >>> sums.add_steps(0, torch.tensor([[0.0, 0.0], [0.0, 1.0], [0.0, 3.0]]))  # steps of 1 and 2
+        >>> sums.values(3, [])[0]
+        [26.0, 4.0, 7.0]
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.buffer = torch.zeros(8, device=device)
-        self._slots = self.buffer.unbind()  # a view per slot, made once
-        self._filled = bytearray(len(self._slots))  # which slots were added to since the last clear
-        self._index = 0
-        self._written = False
+        self.device = device
+        self._index = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() numbers it
+        self._on_cpu = device.type == "cpu"
+        self._sums: list[torch.Tensor] = []  # 0-d (one slot) or 1-d (consecutive slots) sums on the device
+        self._firsts: list[int] = []  # the slot of each one's first entry
 
     def clear(self) -> None:
-        """A new window: no slot holds anything of it."""
-        self._filled = bytearray(len(self._slots))
+        """A new window: no slot holds anything."""
+        self._sums, self._firsts = [], []
 
-    def _reserve(self, slots: int) -> None:
-        """Grow the buffer (keeping its slots) to hold at least ``slots`` slots."""
-        if slots > len(self._slots):
-            grown = torch.zeros(2 * slots, device=self.buffer.device)
-            grown[: self.buffer.numel()] = self.buffer
-            self.buffer, self._slots = grown, grown.unbind()
-            self._filled.extend(bytearray(len(self._slots) - len(self._filled)))
-
-    def start(self, slot: int) -> None:
-        """Make ``slot`` the one added to."""
-        self._reserve(slot + 1)
-        self._index, self._written = slot, self._filled[slot] == 1
-
-    def add(self, tensor: torch.Tensor) -> None:
-        """Add the squared entries of ``tensor`` to the slot."""
-        slot = self._slots[self._index]
+    def add(self, slot: int, tensor: torch.Tensor) -> None:
+        """Add the squared entries of ``tensor`` to ``slot``."""
         if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
             tensor = tensor.detach()
         if tensor.is_sparse:  # an embedding's sparse gradient: its entries, each index once
             tensor = tensor.coalesce().values()
-        if tensor.dtype == torch.float32 and tensor.is_contiguous() and tensor.device == slot.device:
+        if tensor.dtype == torch.float32 and tensor.is_contiguous():
             flat = tensor.view(-1)
-            if self._written:
-                slot.add_(torch.dot(flat, flat))
-            else:
-                torch.dot(flat, flat, out=slot)
+            square = torch.dot(flat, flat)
         else:  # a narrower dtype squared in float32, a wider one in its own; a strided one without a copy
             narrow = tensor.dtype in (torch.bfloat16, torch.float16)
-            norm = torch.linalg.vector_norm(tensor, dtype=torch.float32 if narrow else None)
-            value = norm.square().to(slot.device, torch.float32)
-            slot.add_(value) if self._written else slot.copy_(value)
-        self._written = True
+            square = torch.linalg.vector_norm(tensor, dtype=torch.float32 if narrow else None).square()
+        self._sums.append(square if square.get_device() == self._index else square.to(self.device))
+        self._firsts.append(slot)
 
-    def add_flat(self, tensors: list[torch.Tensor]) -> None:
-        """Add the squared entries of small ``tensors`` on the slot's device: one flatten, one dot."""
-        self.add(_flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0])
+    def add_flat(self, slot: int, tensors: list[torch.Tensor]) -> None:
+        """Add the squared entries of small ``tensors`` on one device to ``slot``: one flatten, one norm."""
+        self.add(slot, _flatten_dense_tensors(tensors) if len(tensors) > 1 else tensors[0])
 
-    def add_all(self, large: list[torch.Tensor], small: list[torch.Tensor]) -> None:
-        """Add the ``large`` tensors one by one and the ``small`` ones ``FLUSH`` at a time."""
+    def add_all(self, slot: int, large: list[torch.Tensor], small: list[torch.Tensor]) -> None:
+        """Add the ``large`` tensors one by one and the ``small`` ones ``FLUSH`` at a time to ``slot``."""
         for tensor in large:
-            self.add(tensor)
+            self.add(slot, tensor)
         for start in range(0, len(small), FLUSH):
-            self.add_flat(small[start : start + FLUSH])
+            self.add_flat(slot, small[start : start + FLUSH])
 
-    def add_rows(self, first: int, rows: torch.Tensor) -> None:
-        """Add the squared entries of each row of ``rows`` (float32 or wider) to the slots from ``first`` on."""
-        count = rows.shape[0]
-        self._reserve(first + count)
-        target, filled = self.buffer[first : first + count], self._filled[first : first + count]
-        if rows.dtype == torch.float32 and not any(filled):  # the usual case: one reduction, written in place
-            torch.linalg.vecdot(rows, rows, out=target)
-        else:
-            squares = torch.linalg.vecdot(rows, rows).to(torch.float32)
-            if all(filled):
-                target.add_(squares)
-            else:
-                for index, written in enumerate(filled):
-                    target[index].add_(squares[index]) if written else target[index].copy_(squares[index])
-        self._filled[first : first + count] = b"\x01" * count
+    def add_steps(self, first: int, rows: torch.Tensor) -> None:
+        """Add the squared difference of each two consecutive rows of ``rows`` to the slots from ``first`` on.
 
-    def finish(self) -> None:
-        """Close the slot."""
-        self._filled[self._index] = self._written
+        ``rows``: float32 or wider. One subtraction, one reduction.
+        """
+        steps = torch.diff(rows, dim=0)
+        self._sums.append(torch.linalg.vecdot(steps, steps))
+        self._firsts.append(first)
 
-    def values(self, host: list[float]) -> list[float]:
-        """The first ``len(host)`` slots, read from the buffer as ``host``: a slot nothing was added to is zero."""
-        return [value if filled else 0.0 for value, filled in zip(host, self._filled, strict=False)]
+    def values(self, count: int, columns: list[list[Any]]) -> tuple[list[float], list[list[float]]]:
+        """The ``count`` slots' sums, and each column of numbers or tensors as floats: one transfer for them all."""
+        read, slots = _on_host(self._sums, columns, self._on_cpu)
+        sums = [0.0] * count
+        for first, values in zip(self._firsts, read, strict=True):
+            if isinstance(values, float):  # one slot's
+                sums[first] += values
+                continue
+            for offset, value in enumerate(values):
+                if first + offset < count:
+                    sums[first + offset] += value
+        return sums, slots
 
 
 class HeldGradients:
@@ -170,7 +150,7 @@ class HeldGradients:
         ...     held.take(slot, sums)
         ...     (value * weight.sum()).backward()  # a micro-batch's gradient (value, value)
         ...     held.backward_done()
-        >>> held.flush(sums); weight.grad.tolist(), sums.values(sums.buffer[:2].tolist())
+        >>> held.flush(sums); weight.grad.tolist(), sums.values(2, [])[0]
         ([7.0, 7.0], [18.0, 32.0])
     """
 
@@ -218,13 +198,15 @@ class HeldGradients:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
         row, params = self._row, self.params
         grads = [param.grad for param in params]
-        if (
+        regular = (  # every backward of the window but the first: .grad where the last one left it
             row is not None
             and row + 1 < len(self._rows)
             and self._all_held
             and (row == self._base or slot == self._first_slot + row - self._base)
             and all(map(operator.is_, grads, self._places[row]))
-        ):  # every backward of the window but the first: one copy
+        )
+        if regular:
+            assert row is not None
             self._rows[row + 1].copy_(self._rows[row])
         else:
             row = self._settle_row(slot, grads, sums)
@@ -256,7 +238,8 @@ class HeldGradients:
                 held[index] = 1
         self._all_held = held.count(0) == 0
         pending = row != self._base
-        if pending and (dropped or row + 1 == len(self._rows) or slot != self._first_slot + row - self._base):
+        full = row + 1 == len(self._rows)
+        if pending and (dropped or full or slot != self._first_slot + row - self._base):
             self.flush(sums)  # the rows full, a sum dropped, or a backward in between not held
         if dropped:
             torch._foreach_zero_(dropped)
@@ -280,8 +263,8 @@ class HeldGradients:
         else:
             row = 0
             self._rows[0].zero_()
-            present = [(place, grad.detach()) for place, grad in zip(self._places[0], grads, strict=True) if grad is not None]
-            torch._foreach_copy_([place for place, _ in present], [grad for _, grad in present])
+            present = [(place, grad) for place, grad in zip(self._places[0], grads, strict=True) if grad is not None]
+            torch._foreach_copy_([place for place, _ in present], [grad.detach() for _, grad in present])
             self._rows[1].copy_(self._rows[0])
         self._base = row
         return row
@@ -304,8 +287,10 @@ class HeldGradients:
         self._taken = False
 
     def restore(self) -> None:
-        """At the fit's end: ``None`` where a backward that never ended wrote nothing, and each ``.grad`` a tensor of
-        its own, so that the rows are freed."""
+        """At the fit's end: each ``.grad`` a tensor of its own, so that the rows are freed.
+
+        Where a backward that never ended wrote nothing, ``None``, as after any other backward.
+        """
         self.backward_done()
         if self._row is None:
             return
@@ -323,10 +308,10 @@ class HeldGradients:
             grad = param.grad
             if grad is not None and grad is not place:  # create_graph=True summed out of place: the sum it holds
                 place.copy_(grad.detach())
-        rows = self.rows[self._base : row + 1]
+        rows = self.rows.narrow(0, self._base, row + 1 - self._base)
         if not self._wide:
             rows = rows.float()
-        sums.add_rows(self._first_slot, rows[1:] - rows[:-1])
+        sums.add_steps(self._first_slot, rows)
         self._base = row
 
     def gradients(self) -> list[torch.Tensor]:
@@ -347,15 +332,34 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _on_host(sums: torch.Tensor, *columns: list[Any]) -> tuple[list[float], ...]:
-    """``sums`` and each column of numbers or tensors as floats, with one transfer for every tensor among them."""
-    tensors = [value for column in columns for value in column if isinstance(value, torch.Tensor)]
-    if not tensors:  # host numbers only (one process, counted on the host): the sums alone
-        return sums.tolist(), *([float(value) for value in column] for column in columns)
-    stacked = torch.stack([t.to(sums.device, torch.float32).reshape(()) for t in tensors])
-    values = iter(torch.cat([sums, stacked]).tolist())
-    host = [next(values) for _ in range(sums.numel())]
-    return host, *([next(values) if isinstance(v, torch.Tensor) else float(v) for v in column] for column in columns)
+def _on_host(sums: list[torch.Tensor], columns: list[list[Any]], on_cpu: bool) -> tuple[list[Any], list[list[float]]]:
+    """Each of ``sums`` read as ``Tensor.tolist()`` reads it, and each column of numbers or tensors as floats.
+
+    On an accelerator, every tensor among them comes to the host in one transfer (one synchronisation); on the CPU
+    (``on_cpu``, and no tensor in the columns), where nothing is transferred, each is read as it is.
+    """
+    column_tensors = [value for column in columns for value in column if isinstance(value, torch.Tensor)]
+    if on_cpu and not column_tensors:
+        return [tensor.tolist() for tensor in sums], [[float(value) for value in column] for column in columns]
+    tensors = [*sums, *column_tensors]
+    device = next((tensor.device for tensor in tensors if tensor.device.type != "cpu"), torch.device("cpu"))
+    flat = torch.cat([tensor.to(device, torch.float32).reshape(-1) for tensor in tensors]).tolist()
+    host, at = [], 0
+    for tensor in sums:
+        host.append(flat[at] if tensor.dim() == 0 else flat[at : at + tensor.numel()])
+        at += tensor.numel()
+    scalars = iter(flat[at:])  # the columns' tensors: one number each
+    return host, [[next(scalars) if isinstance(v, torch.Tensor) else float(v) for v in column] for column in columns]
+
+
+def _items(ctx: Context) -> Any:
+    """The micro-batch's items, as the estimate counts them: item weighting's, or else its samples."""
+    if ctx.items is not None:
+        return ctx.items
+    try:
+        return count_samples(ctx.batch)
+    except ValueError:
+        return ctx.micro_batch_size or 1
 
 
 def _skips_reduction(ctx: Context) -> bool:
@@ -409,11 +413,11 @@ class NoiseScale(Feature):
         self._held: HeldGradients | None = None  # the small parameters' gradients, held between backwards
         self._stage_hooks = False  # whether the small parameters have hooks (several ranks)
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
-        self._micro_items: Any = 1  # the micro-batch in progress, as the estimate counts it
         self._device: torch.device | None = None  # the first trainable parameter's
         self._sums: SquareSums | None = None  # one slot per backward of the window, then the mean's
         self._backwards = 0  # backwards of this window so far: the next one's slot
         self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
+        self._slot = 0  # the slot they add to: the backward in progress
         self._taking = False  # whether the backward in progress writes the small gradients into None
         self._staging_now = False  # whether the small parameters' hooks copy their gradients now
         self._seen = bytearray()  # which of them did, by index, in the backward in progress
@@ -501,16 +505,6 @@ class NoiseScale(Feature):
         self._stage_hooks = stage_hooks
 
     @override
-    def micro_batch_started(self, ctx: Context) -> None:
-        if ctx.items is not None:
-            self._micro_items = ctx.items
-            return
-        try:
-            self._micro_items = count_samples(ctx.batch)
-        except ValueError:
-            self._micro_items = ctx.micro_batch_size or 1
-
-    @override
     def before_backward(self, ctx: Context) -> None:
         if not self._hooks:
             return
@@ -531,15 +525,14 @@ class NoiseScale(Feature):
         if self._staging_now:
             self._seen = bytearray(len(held.params))  # type: ignore[union-attr]
         if self._large or self._staging_now:  # the hooks add to this backward's slot
-            sums.start(slot)
-            self._adding = True
+            self._slot, self._adding = slot, True
         self._unscales.append(ctx.loss_divisor)
-        self._small_items.append(self._micro_items)
+        self._small_items.append(_items(ctx))
         self._backwards = slot + 1
 
     def _add_large(self, grad: torch.Tensor) -> None:
         if self._adding:
-            self._sums.add(grad)  # type: ignore[union-attr]
+            self._sums.add(self._slot, grad)  # type: ignore[union-attr]
 
     def _stager(self, index: int) -> Any:
         """The hook of the ``index``-th small parameter: copies its gradient into the staging vector."""
@@ -568,10 +561,10 @@ class NoiseScale(Feature):
                 assert held is not None
                 staged = self._seen.count(1)
                 if staged == len(held.params) and held.staging is not None:
-                    sums.add(held.staging)  # every small gradient in place: one dot
+                    sums.add(self._slot, held.staging)  # every small gradient in place: one norm
                 elif staged:  # some small parameters got no gradient: their places hold an earlier backward's
-                    sums.add_all([], [view for view, seen in zip(held.stage_views, self._seen, strict=True) if seen])
-            sums.finish()
+                    views = [view for view, seen in zip(held.stage_views, self._seen, strict=True) if seen]
+                    sums.add_all(self._slot, [], views)
             self._adding = self._staging_now = False
         if self._taking:
             assert held is not None
@@ -602,12 +595,12 @@ class NoiseScale(Feature):
             return
         if self._held is not None:
             self._held.flush(sums)  # rows left (the window closing events were not dispatched)
-        sums.start(count)
-        sums.add_all(large, small)
-        sums.finish()
+        if not large and len(small) == 1:  # the rows' sum, whole: one reduction
+            sums.add(count, small[0])
+        else:
+            sums.add_all(count, large, small)
         # one transfer to the host per optimizer step: the sums, and whatever unscales and items are tensors
-        host, unscales, items = _on_host(sums.buffer, unscales, items)
-        squares = sums.values(host)
+        squares, (unscales, items) = sums.values(count + 1, [unscales, items])
         bearing = [i for i in range(count) if items[i] > 0]  # a micro-batch without items holds no gradient sample
         if not bearing:
             return

@@ -66,7 +66,6 @@ class ProgressBar(Feature):
         )
         _set_total(bar, first + left)
 
-
     @override
     def fit_end(self, ctx: Context) -> None:
         self._bar = None
