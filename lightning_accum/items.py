@@ -45,6 +45,9 @@ def count_samples(batch: Any) -> int:
         >>> count_samples({"input_ids": torch.zeros(3, 7), "labels": torch.zeros(3, 7)})
         3
     """
+    kind = type(batch)
+    if (kind is tuple or kind is list) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+        return batch[0].shape[0]  # the usual batch, on every micro-step: no search
     tensor = _first_tensor(batch)
     if tensor is None:
         raise ValueError(

@@ -170,6 +170,40 @@ def test_the_noise_scale_leaves_every_gradient_as_autograd_accumulates_it(zero_g
     assert noisy.trainer.callbacks[0].features["noise_scale"].estimate.noise_scale is not None
 
 
+def test_a_parameter_outside_the_optimizer_keeps_accumulating_across_windows_as_without_the_estimate():
+    """Lightning zeroes only what the optimizers hold: a trainable parameter outside them keeps its ``.grad`` from
+    window to window, beside gradients set to None. Windows of one micro-batch (the epochs' last) come in between.
+    Every backward's ``.grad`` and every weight must be those of the run without the estimate."""
+
+    class Outside(GradientProbe):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD([*self.body.parameters(), *self.out.parameters()], lr=0.05, momentum=0.9)
+
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(36, 16, generator=generator)
+    y = x[:, :1] + 0.3 * torch.randn(36, 1, generator=generator)
+    modules = {}
+    for noise in (False, True):
+        modules[noise] = Outside(512)
+        callback = AccumulationScheduler({0: 2, 1: 4}, noise_scale=noise, noise_scale_decay=0.0)
+        trainer([callback], max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
+    plain, noisy = modules[False], modules[True]
+    assert len(plain.seen) == len(noisy.seen) == 18  # 9 micro-batches per epoch: windows of 2 (4) and 1, 4 (2) and 1
+    for seen_plain, seen_noisy in zip(plain.seen, noisy.seen, strict=True):
+        for a, b in zip(seen_plain, seen_noisy, strict=True):
+            assert (a is None) == (b is None)
+            assert a is None or torch.equal(a, b)
+    odd = [grads[-1] for grads in plain.seen if grads[-1] is not None]
+    assert len({float(grad.abs().sum()) for grad in odd}) > 1  # the odd head's gradient grew across windows
+    for a, b in zip(plain.parameters(), noisy.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert (a.grad is None) == (b.grad is None)
+        assert a.grad is None or torch.equal(a.grad, b.grad)
+    assert noisy.trainer.callbacks[0].features["noise_scale"].estimate.noise_scale is not None
+    kept = [param.grad for param in noisy.parameters() if param.grad is not None]
+    assert len({grad.untyped_storage().data_ptr() for grad in kept}) == len(kept)  # after the fit, none in the rows
+
+
 def start_backward(features: Features, ctx: Context, batch: Any, loss_divisor: float) -> None:
     """A micro-batch up to its backward, with the events the callback dispatches around Lightning's hooks."""
     ctx.window.take(ends_epoch=False)

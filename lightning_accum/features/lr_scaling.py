@@ -2,8 +2,8 @@
 
 At each window's opening the scale's target is set from the window's effective batch (linear or square-root rule of
 :mod:`lightning_accum.scaling`, with an optional warmup); the scale multiplies each param group's ``lr`` only while
-``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with ``lr_scaling="none"`` the scale is 1
-and only ``accum/lr`` and ``accum/lr_scale`` are logged.
+``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with ``lr_scaling="none"`` the scale is 1,
+no optimizer step is wrapped, and only ``accum/lr`` and ``accum/lr_scale`` are logged.
 
 ``accum/lr`` is the learning rate the step really used, read just before the step (after the window's last backward,
 before the LR scheduler moves on), scale included; with several param groups of different rates each has its own

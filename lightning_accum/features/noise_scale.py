@@ -162,6 +162,8 @@ class HeldGradients:
         count = max(2, min(ROWS, STAGING // max(numel, 1), ROW_TENSORS // len(params)))
         self.rows = torch.zeros(count, numel, dtype=dtype, device=device)
         self._rows = self.rows.unbind()  # a view per row, made once
+        self._first_two = self.rows[:2]
+        self._nones = [None] * len(params)
         storage = self.rows.untyped_storage()
         self._places: list[list[torch.Tensor]] = []  # per row, each parameter's place: own tensors, not views
         for row in range(count):
@@ -252,26 +254,35 @@ class HeldGradients:
     def _start(self, grads: list[torch.Tensor | None]) -> int:
         """The window's first take: the row holding what ``.grad`` holds (zero where it holds ``None``)."""
         last = self._last
+        if all(map(operator.is_, grads, self._nones)):  # set to None (zero_grad's default): zeros, one fill
+            self._held, self._all_held = bytearray(len(grads)), False
+            self._first_two.zero_()
+            self._base = 0
+            return 0
         self._held = bytearray(grad is not None for grad in grads)
         self._all_held = self._held.count(0) == 0
         if last + 1 < len(self._rows) and all(map(operator.is_, grads, self._places[last])):
             row = last  # .grad left as the last window ended it (zeroed in place, or kept): no copy
             self._rows[row + 1].copy_(self._rows[row])
-        elif not any(self._held):  # set to None (zero_grad's default): zeros, one fill
+        else:  # some None, or tensors set elsewhere: each value copied (cloned first: it may lie in the rows)
             row = 0
-            self.rows[:2].zero_()
-        else:
-            row = 0
+            present = [
+                (place, grad.detach().clone())
+                for place, grad in zip(self._places[0], grads, strict=True)
+                if grad is not None
+            ]
             self._rows[0].zero_()
-            present = [(place, grad) for place, grad in zip(self._places[0], grads, strict=True) if grad is not None]
-            torch._foreach_copy_([place for place, _ in present], [grad.detach() for _, grad in present])
+            torch._foreach_copy_([place for place, _ in present], [grad for _, grad in present])
             self._rows[1].copy_(self._rows[0])
         self._base = row
         return row
 
     def backward_done(self) -> None:
         """After the backward: a parameter it gave no gradient, and that had none, gets ``None`` back."""
-        if self._taken and not self._all_held:
+        if self._all_held:  # every later backward of the window
+            self._taken = False
+            return
+        if self._taken:
             assert self._row is not None
             held = self._held
             for index, (param, place, version) in enumerate(
