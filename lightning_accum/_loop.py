@@ -12,7 +12,8 @@ the callback's windows are in charge, and gives them back otherwise:
 - before training starts (a tuner's ``lr_find`` or ``scale_batch_size`` runs the loop from ``on_fit_start``) nothing
   is routed, and ``trainer.accumulate_grad_batches`` holds the factor of the callback's first window;
 - while another component has set ``trainer.accumulate_grad_batches`` itself (:meth:`LoopControl.follow`), Lightning's
-  own arithmetic applies with that value, except that a micro-step without backward (``fit_loop._skip_backward``,
+  own arithmetic applies with that value, except that a micro-step without backward (``fit_loop._skip_backward``, read
+  where that property reads it, ``epoch_loop.automatic_optimization._skip_backward``,
   which ``StochasticWeightAveraging`` sets for its BatchNorm epoch) never ends a window: there is nothing to step on,
   and stock Lightning would step on the epoch's last batch with stale gradients;
 - after ``fit`` the Trainer's own ``accumulate_grad_batches`` is put back.
@@ -58,13 +59,9 @@ class LoopControl:
         self._ends_window = ends_window
         self._targets: list[Any] = []
         self._following = False  # Lightning's own arithmetic, with a factor another component set
+        self.in_charge = False  # whether the decisions are routed to the window now (installed, not following)
         self._own = trainer.accumulate_grad_batches  # the Trainer's own value, given back by release()
         self._factor = self._own  # the value this control last set
-
-    @property
-    def in_charge(self) -> bool:
-        """Whether the decisions are routed to the window now."""
-        return bool(self._targets) and not self._following
 
     @property
     def following(self) -> bool:
@@ -102,12 +99,12 @@ class LoopControl:
     def lead(self) -> None:
         """Route the decisions to the window."""
         self._install()
-        self._following = False
+        self._following, self.in_charge = False, True
 
     def follow(self) -> None:
         """Let Lightning's own arithmetic decide with the factor another component set (see the module's docstring)."""
         self._install()
-        self._following = True
+        self._following, self.in_charge = True, False
 
     def set_factor(self, factor: int) -> None:
         """Set ``trainer.accumulate_grad_batches`` (the divisor of each loss, and the factor outside the windows)."""
@@ -148,16 +145,16 @@ class LoopControl:
         """Give the decisions and the Trainer's own ``accumulate_grad_batches`` back; safe to call more than once."""
         for owner, name in self._targets:
             owner.__dict__.pop(name, None)
-        self._targets, self._following = [], False
+        self._targets, self._following, self.in_charge = [], False, False
         self.set_factor(self._own)
 
     def _should_accumulate(self, epoch_loop: Any) -> Callable[[], bool]:
         progress = epoch_loop.batch_progress.current
         lightning_should_accumulate = epoch_loop._should_accumulate
-        fit_loop = self._trainer.fit_loop
+        optimization = epoch_loop.automatic_optimization  # what `fit_loop._skip_backward` reads
 
         def should_accumulate() -> bool:
-            if fit_loop._skip_backward:  # nothing was backpropagated, so there is nothing to step on
+            if optimization._skip_backward:  # nothing was backpropagated, so there is nothing to step on
                 return True
             if self._following:
                 return lightning_should_accumulate()

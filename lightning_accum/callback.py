@@ -346,9 +346,12 @@ class AccumulationScheduler(Callback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if not self._in_charge:
             return
-        if self._anchored:
-            return  # the anchor's backward adds zeros: no micro-batch's
-        share = self._batcher.share if self._splitting else 1.0  # type: ignore[union-attr]
+        share = 1.0
+        if self._splitting:
+            assert self._batcher is not None
+            if self._batcher.anchored:
+                return  # the anchor's backward adds zeros: no micro-batch's
+            share = self._batcher.share
         self._ctx.loss, self._ctx.loss_divisor = loss, self._ctx.window.size / share
         self._features.dispatch(Event.BEFORE_BACKWARD, self._ctx)
 
@@ -382,8 +385,9 @@ class AccumulationScheduler(Callback):
         ctx.micro_steps += 1
         if ctx.window.closed:  # the window's last micro-step, which steps (or skipped its step)
             ctx.optimizer_steps = trainer.global_step
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        ctx.loss = loss if isinstance(loss, torch.Tensor) else None
+        if self._features.handle(Event.MICRO_BATCH_ENDED):  # what training_step returned, for whoever reads it
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            ctx.loss = loss if isinstance(loss, torch.Tensor) else None
         if self._splitting:  # the loader batch's loss and items, over its micro-batches
             assert self._batcher is not None
             batch_loss, ctx.items = self._batcher.report

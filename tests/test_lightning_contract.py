@@ -135,7 +135,10 @@ def test_swa_sets_accumulate_grad_batches_for_its_batch_norm_epoch_and_gives_it_
 
     class Spy(Callback):
         def on_train_batch_start(self, trainer, *_):
-            seen.append((trainer.current_epoch, trainer.accumulate_grad_batches, trainer.fit_loop._skip_backward))
+            skip = trainer.fit_loop._skip_backward
+            # lightning_accum/_loop.py reads the attribute the fit loop's property forwards to
+            assert trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward is skip
+            seen.append((trainer.current_epoch, trainer.accumulate_grad_batches, skip))
 
     swa = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
     trainer([swa, Spy()], max_epochs=2, accumulate_grad_batches=2).fit(WithBatchNorm(), loader(x, y, 4))
