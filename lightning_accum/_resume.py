@@ -50,7 +50,9 @@ class ResumePoint:
 
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
-        self.callback_state = _copy(callback_state)  # once per optimizer step: a structural copy, not deepcopy
+        # kept as given, once per optimizer step: the callback builds it afresh, of plain values (each feature's
+        # state_dict() returns new containers; tests/test_architecture.py checks it), and copies it when it writes it
+        self.callback_state = callback_state
         loaders = trainer.train_dataloader
         if loaders is not None and loaders is self._stateless:  # asked once per dataloader object, not per step
             self._loaders = None
@@ -96,21 +98,3 @@ class ResumePoint:
             # that epoch's end (torchdata's StatefulDataLoader then yields nothing); without a state, each loader
             # starts the epoch afresh, as the window does
             loop_state.pop("combined_loader", None)
-
-
-_IMMUTABLE = (type(None), bool, int, float, str)
-
-
-def _copy(value: Any) -> Any:
-    """A copy of a checkpoint state: containers rebuilt, immutable leaves shared, anything else deep-copied."""
-    if type(value) in _IMMUTABLE:  # most of a state: the exact types first, without isinstance's subclass checks
-        return value
-    if isinstance(value, dict):
-        return {key: _copy(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_copy(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_copy(item) for item in value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return copy.deepcopy(value)

@@ -258,7 +258,11 @@ class Feature:
         """``FIT_END``: the fit ended, normally or not; release what was attached to the model or optimizers."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs; stored in the checkpoint under :attr:`name`."""
+        """What a resumed run needs; stored in the checkpoint under :attr:`name`.
+
+        New containers on every call, holding plain values (numbers, strings, ``None``): the callback keeps the state
+        from a window's start as it is, to write into a checkpoint taken inside the window.
+        """
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

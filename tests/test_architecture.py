@@ -124,6 +124,33 @@ def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_na
     ]
 
 
+def test_every_state_is_new_containers_of_plain_values():
+    """The resume point keeps the state from a window's start as the callback returns it, without a copy
+    (lightning_accum/_resume.py): nothing in it may be a container a feature goes on changing."""
+    from tests.helpers import RegressionModule, loader, make_data, trainer
+
+    callback = AccumulationScheduler(
+        {0: 2}, normalize_by="sample", noise_scale=True, adaptive=True, adaptive_interval=1, lr_scaling="sqrt"
+    )
+    x, y = make_data(32)
+    trainer([callback], max_epochs=2).fit(RegressionModule(), loader(x, y, 4))
+    first, second = callback.state_dict(), callback.state_dict()
+    assert first == second
+    assert first["noise_scale"]["updates"] > 0  # states that moved during the fit
+    assert first["adaptive"]["noise_batch"] is not None
+
+    def walk(a, b, where):
+        if isinstance(a, (dict, list, tuple)):
+            assert a is not b, f"{where} is the same container twice"
+            items = a.items() if isinstance(a, dict) else enumerate(a)
+            for key, value in items:
+                walk(value, b[key], f"{where}[{key!r}]")
+        else:
+            assert a is None or type(a) in (bool, int, float, str), f"{where}: {type(a).__name__}"
+
+    walk(first, second, "state")
+
+
 def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
     old = {
         "samples_seen": 96,
