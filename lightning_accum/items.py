@@ -128,6 +128,8 @@ def check_count(value: Any, batch_idx: int, source: str = "count_items") -> torc
         ValueError: `count_items` returned -1 for batch 4: a micro-batch's count must be a finite number >= 0
     """
     hint = "a micro-batch's count must be a finite number >= 0"
+    if type(value) is int and value >= 0:  # the usual count (samples): no abstract base class checks
+        return float(value)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(

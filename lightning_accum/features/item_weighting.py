@@ -125,8 +125,9 @@ class ItemWeighting(Feature):
                 loss.mul_(weight)
             ctx.loss_divisor = divided / max(items, 1.0)
         self._window_items = self._window_items + items
+        if not self._backwards:  # the window's first: where its counts are reduced
+            self._device = loss.device
         self._backwards += 1
-        self._device = loss.device
 
     @override
     def window_closing(self, ctx: Context) -> None:
