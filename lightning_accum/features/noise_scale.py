@@ -26,6 +26,7 @@ Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them;
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -182,12 +183,13 @@ class HeldGradients:
             self.stage_views.append(self.staging[offset : offset + param.numel()].view(param.shape))  # type: ignore[index]
             offset += param.numel()
         self._held = bytearray(len(params))  # which parameters' .grad holds a value (not None), as autograd keeps it
-        self._all_held = False
+        self._unheld: list[int] = []  # the others, by index
+        self._expect: Sequence[torch.Tensor | None] = []  # each .grad as the latest backward left it
         self._row: int | None = None  # the row .grad points at; None before the window's first take
         self._last = 0  # the row .grad pointed at when the last window ended
         self._base = 0  # the rows from here to _row hold differences not yet squared
         self._first_slot = 0  # the slot (backward of the window) of row _base + 1
-        self._versions: list[int] = []  # of _row's places when taken (while some parameter holds no value)
+        self._versions: list[int] = []  # of the unheld parameters' places in _row, when taken
         self._taken = False  # between take and backward_done
 
     def reset(self) -> None:
@@ -200,12 +202,11 @@ class HeldGradients:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
         row, params = self._row, self.params
         grads = [param.grad for param in params]
-        regular = (  # every backward of the window but the first: .grad where the last one left it
+        regular = (  # every backward of the window but the first: .grad as the last one left it
             row is not None
             and row + 1 < len(self._rows)
-            and self._all_held
             and (row == self._base or slot == self._first_slot + row - self._base)
-            and all(map(operator.is_, grads, self._places[row]))
+            and all(map(operator.is_, grads, self._expect))
         )
         if regular:
             assert row is not None
@@ -215,10 +216,12 @@ class HeldGradients:
         if row == self._base:
             self._first_slot = slot
         row += 1
-        for param, place in zip(params, self._places[row], strict=True):
+        places = self._places[row]
+        for param, place in zip(params, places, strict=True):
             param.grad = place
-        if not self._all_held:
-            self._versions = [place._version for place in self._places[row]]
+        self._expect = places
+        if self._unheld:  # parameters without a value yet: did this backward write their places?
+            self._versions = [places[index]._version for index in self._unheld]
         self._row, self._taken = row, True
 
     def _settle_row(self, slot: int, grads: list[torch.Tensor | None], sums: SquareSums) -> int:
@@ -238,7 +241,7 @@ class HeldGradients:
             else:  # a new tensor (create_graph=True sums out of place; or set elsewhere): the sum it holds
                 place.copy_(grad.detach())
                 held[index] = 1
-        self._all_held = held.count(0) == 0
+        self._unheld = [index for index, value in enumerate(held) if not value]
         pending = row != self._base
         full = row + 1 == len(self._rows)
         if pending and (dropped or full or slot != self._first_slot + row - self._base):
@@ -255,12 +258,12 @@ class HeldGradients:
         """The window's first take: the row holding what ``.grad`` holds (zero where it holds ``None``)."""
         last = self._last
         if all(map(operator.is_, grads, self._nones)):  # set to None (zero_grad's default): zeros, one fill
-            self._held, self._all_held = bytearray(len(grads)), False
+            self._held, self._unheld = bytearray(len(grads)), list(range(len(grads)))
             self._first_two.zero_()
             self._base = 0
             return 0
         self._held = bytearray(grad is not None for grad in grads)
-        self._all_held = self._held.count(0) == 0
+        self._unheld = [index for index, grad in enumerate(grads) if grad is None]
         if last + 1 < len(self._rows) and all(map(operator.is_, grads, self._places[last])):
             row = last  # .grad left as the last window ended it (zeroed in place, or kept): no copy
             self._rows[row + 1].copy_(self._rows[row])
@@ -279,23 +282,27 @@ class HeldGradients:
 
     def backward_done(self) -> None:
         """After the backward: a parameter it gave no gradient, and that had none, gets ``None`` back."""
-        if self._all_held:  # every later backward of the window
-            self._taken = False
+        if not self._taken:
             return
-        if self._taken:
-            assert self._row is not None
-            held = self._held
-            for index, (param, place, version) in enumerate(
-                zip(self.params, self._places[self._row], self._versions, strict=True)
-            ):
-                if held[index] or param.grad is not place:
-                    continue
-                if place._version != version:
-                    held[index] = 1
-                else:
-                    param.grad = None  # autograd wrote nothing: it would have left None
-            self._all_held = held.count(0) == 0
         self._taken = False
+        if not self._unheld:  # every parameter holds a value: nothing to give back
+            return
+        assert self._row is not None
+        params, places, held = self.params, self._places[self._row], self._held
+        for index, version in zip(self._unheld, self._versions, strict=True):
+            place = places[index]
+            if params[index].grad is not place:  # set elsewhere: the next take copies it
+                continue
+            if place._version != version:
+                held[index] = 1
+            else:
+                params[index].grad = None  # autograd wrote nothing: it would have left None
+        self._unheld = [index for index in self._unheld if not held[index]]
+        if self._unheld:
+            expect: list[torch.Tensor | None] = list(places)
+            for index in self._unheld:
+                expect[index] = None
+            self._expect = expect
 
     def restore(self) -> None:
         """At the fit's end: each ``.grad`` a tensor of its own, so that the rows are freed.
@@ -329,7 +336,7 @@ class HeldGradients:
         """The parameters' gradients that exist: the row ``.grad`` points at, whole, when it holds every one."""
         grads = [param.grad for param in self.params]
         row = self._row
-        if row is not None and self._all_held and all(map(operator.is_, grads, self._places[row])):
+        if row is not None and not self._unheld and all(map(operator.is_, grads, self._places[row])):
             return [self._rows[row]]
         return [grad for grad in grads if grad is not None]
 
