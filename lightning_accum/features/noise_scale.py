@@ -1,14 +1,16 @@
 """The gradient noise scale (``noise_scale=True``), measured from the micro-batch gradients accumulation computes.
 
-Each micro-batch's squared gradient norm is summed on the device, in float32, into a slot of its own
-(:class:`SquareSums`), with nothing moved to the host until the optimizer step:
+Each micro-batch's squared gradient norm is computed on the device, in float32 (or float64 for float64 gradients),
+and kept there with the backward it belongs to (:class:`SquareSums`) until the optimizer step reads them all:
 
 - the small parameters (under ``LARGE`` elements, at most ``STAGING`` together, of one dtype) get no hook where a
-  backward reduces nothing across ranks: :class:`HeldGradients` points their ``.grad`` at a zeroed row before it,
-  holding the window's sum so far in one flat buffer, so autograd adds the micro-batch's gradient into the row in
-  place; after it the row is added to the buffer and ``.grad`` points back at the buffer (the same additions
-  autograd makes: the same values). The rows are squared together, one reduction, at the step. Where a backward
-  reduces (DDP's last micro-step), their hooks copy them into a float32 staging vector before the reduction instead;
+  backward reduces nothing across ranks: :class:`HeldGradients` keeps their gradients in rows, each the window's
+  running sum after one more backward. Before a backward it copies the row ``.grad`` points at into the next one and
+  points ``.grad`` there, so autograd adds the micro-batch's gradient in place (the additions autograd makes: the
+  same values) and nothing is done after the backward. Each backward's gradient is the difference of two rows,
+  squared with the others (one subtraction, one reduction) after the window's last backward, before anything scales
+  ``.grad``. Where a backward reduces (DDP's last micro-step), their hooks copy them into a float32 staging vector
+  before the reduction instead;
 - a large parameter's hook squares its gradient at once with one dot, as backward produces it. Nothing keeps a
   gradient that backward allocated: autograd frees each as it would without the estimate, so the allocator sees the
   same pattern (a gradient held across backward's large allocations makes glibc page-fault megabytes per
@@ -436,7 +438,7 @@ class NoiseScale(Feature):
         self._backwards = 0  # backwards of this window so far: the next one's slot
         self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
         self._slot = 0  # the slot they add to: the backward in progress
-        self._taking = False  # whether the backward in progress writes the small gradients into None
+        self._taking = False  # whether the backward in progress adds the small gradients into a row
         self._staging_now = False  # whether the small parameters' hooks copy their gradients now
         self._seen = bytearray()  # which of them did, by index, in the backward in progress
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
