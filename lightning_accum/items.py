@@ -128,7 +128,7 @@ def check_count(value: Any, batch_idx: int, source: str = "count_items") -> torc
         ValueError: `count_items` returned -1 for batch 4: a micro-batch's count must be a finite number >= 0
     """
     hint = "a micro-batch's count must be a finite number >= 0"
-    if type(value) is int and value >= 0:  # the usual count (samples): no abstract base class checks
+    if type(value) is int and 0 <= value < 1 << 53:  # the usual count (samples): no abstract base class checks
         return float(value)
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -148,7 +148,10 @@ def check_count(value: Any, batch_idx: int, source: str = "count_items") -> torc
             f"`{source}` returned {value!r} ({type(value).__name__}) for batch {batch_idx}: {hint}"
             " (an int, a float or a one-element tensor)"
         )
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"`{source}` returned {value!r} for batch {batch_idx}: {hint}")
     return number

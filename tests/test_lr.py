@@ -166,3 +166,27 @@ def test_a_factor_larger_than_the_epoch_warns_and_scales_the_lr_for_the_window_i
     with pytest.warns(UserWarning, match=r"the schedule reaches factor 8, more than an epoch's 3 batches"):
         trainer([callback, spy], max_epochs=2, precision="64-true").fit(RegressionModule(), loader(x, y, 4))
     assert used(spy) == pytest.approx([0.3, 0.3], rel=1e-9)  # the window of 3 x 4 samples, not 8 x 4
+
+
+def test_a_warmup_resumed_under_the_rule_none_is_applied_as_it_is_logged(tmp_path):
+    """A checkpoint of a run with the linear rule (scale 4), resumed with ``lr_scaling="none"`` and a warmup: the scale
+    moves back to 1 over the warmup, and the optimizer really uses what ``accum/lr`` and ``accum/lr_scale`` say."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    x, y = make_data(64)
+    first = trainer([AccumulationScheduler({0: 4}, lr_scaling="linear", base_batch_size=4)], max_epochs=1)
+    first.fit(RegressionModule(), loader(x, y, 4))
+    path = tmp_path / "linear.ckpt"
+    first.save_checkpoint(path)
+    spy = MeasuredLR()
+    callback = AccumulationScheduler({0: 4}, lr_scaling="none", lr_warmup_steps=4)
+    logger = CSVLogger(tmp_path, name="resumed")
+    resumed = trainer([callback, spy], max_epochs=2, precision="64-true", logger=logger, log_every_n_steps=1)
+    resumed.fit(RegressionModule(), loader(x, y, 4), ckpt_path=path)
+    rows = (tmp_path / "resumed" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [
+        float(row.split(",")[header.index("accum/lr")]) for row in rows[1:] if row.split(",")[header.index("accum/lr")]
+    ]
+    assert logged == pytest.approx([0.4, 0.325, 0.25, 0.175], abs=1e-12)  # 0.1 x a scale from 4 to 1 over 4 steps
+    assert used(spy) == pytest.approx(logged, rel=1e-9)

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.items import count_samples, count_tokens
+from lightning_accum.items import check_count, count_samples, count_tokens
 from tests.helpers import (
     LR,
     BatchStream,
@@ -154,6 +154,13 @@ def test_counting_rules():
         count_tokens({"input_ids": torch.zeros(2, 3)})
     with pytest.raises(TypeError, match="expects a tensor"):
         count_tokens({"labels": [1, 2]})
+    assert count_samples([torch.zeros(3, 2), torch.zeros(3)]) == 3  # the usual batch, counted without a search
+    assert count_samples([torch.tensor(2.0), torch.zeros(4, 1)]) == 4  # a 0-dim first element has no batch size
+    assert check_count(7, batch_idx=0) == 7.0
+    with pytest.raises(ValueError, match="returned -2 for batch 1"):
+        check_count(-2, batch_idx=1)
+    with pytest.raises(ValueError, match="for batch 2: a micro-batch's count must be a finite number"):
+        check_count(10**400, batch_idx=2)  # beyond any float
 
 
 @pytest.mark.parametrize(

@@ -80,8 +80,9 @@ class LRScaling(Feature):
                 f" started with ({self.base_batch_size:g}, from the checkpoint); the run keeps {self.base_batch_size:g}"
                 " so that its learning rate continues where it was"
             )
-        # the rule "none" keeps the scale at 1: nothing to apply around the optimizers' steps
-        scales = self.rule != "none"
+        # the rule "none" keeps the scale at 1 (nothing to apply around the optimizers' steps), unless a checkpoint's
+        # warmup still moves it from another rule's value
+        scales = self.rule != "none" or self._warmup.start != 1.0 or self._warmup.target != 1.0
         self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers if scales]
         if ctx.optimizers:
             lr = _configured_lr(ctx.optimizers[0])
