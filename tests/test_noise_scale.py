@@ -204,6 +204,81 @@ def test_a_parameter_outside_the_optimizer_keeps_accumulating_across_windows_as_
     assert len({grad.untyped_storage().data_ptr() for grad in kept}) == len(kept)  # after the fit, none in the rows
 
 
+class BeforeTheScheduler(pl.Callback):
+    """Listed before AccumulationScheduler: sees each backward's gradients first, and changes them."""
+
+    def __init__(self, change: str) -> None:
+        self.change, self.backwards = change, 0
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.change == "drop" and self.backwards % 2 == 0:
+            pl_module.out.bias.grad = None  # a callback discarding a gradient
+        if self.change == "clip":  # clips, in place, what has a gradient (as clip_grad_norm_ does)
+            torch.nn.utils.clip_grad_norm_([p for p in pl_module.parameters() if p.grad is not None], 0.5)
+        self.backwards += 1
+
+
+class SeesBeforeBackward(GradientProbe):
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.before.append([None if p.grad is None else p.grad.clone() for p in self.parameters()])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("change", ["drop", "clip"])
+def test_a_callback_before_the_scheduler_that_changes_gradients_sees_and_leaves_what_it_would_without_it(change):
+    """Whatever another callback does to ``.grad`` in its ``on_after_backward`` (drop it, clip it in place), and
+    whatever the LightningModule's ``on_before_backward`` sees (``None`` before a parameter's first gradient), every
+    value, every ``None``, every sign of zero and every weight are those of the run without the estimate."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 16, generator=generator)
+    y = x[:, :1] + 0.3 * torch.randn(32, 1, generator=generator)
+    x[:, 3] = -0.0  # a column of negative zeros: the body's weight gradient holds -0.0 there
+    modules = {}
+    for noise in (False, True):
+        modules[noise] = SeesBeforeBackward(512)
+        modules[noise].before = []
+        callbacks = [BeforeTheScheduler(change), AccumulationScheduler({0: 2, 1: 4}, noise_scale=noise)]
+        trainer(callbacks, max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
+    plain, noisy = modules[False], modules[True]
+    for seen_plain, seen_noisy in [
+        *zip(plain.seen, noisy.seen, strict=True),
+        *zip(plain.before, noisy.before, strict=True),
+    ]:
+        for a, b in zip(seen_plain, seen_noisy, strict=True):
+            assert (a is None) == (b is None)
+            assert a is None or (torch.equal(a, b) and torch.equal(a.signbit(), b.signbit()))
+    assert any(grads[0] is None for grads in plain.before)  # the window's first backward starts from None
+    for a, b in zip(plain.parameters(), noisy.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_rows_are_freed_when_a_fit_ends_before_a_windows_first_backward():
+    """An exception in a window's first ``training_step`` with gradients zeroed in place: ``.grad`` still points into
+    the previous window's row; after the fit each is a tensor of its own."""
+
+    class Fails(GradientProbe):
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            optimizer.zero_grad(set_to_none=False)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == 4:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    generator = torch.Generator().manual_seed(6)
+    x, y = torch.randn(24, 16, generator=generator), torch.randn(24, 1, generator=generator)
+    module = Fails(512)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer([AccumulationScheduler({0: 2}, noise_scale=True)], max_epochs=1).fit(
+            module, DataLoader(TensorDataset(x, y), batch_size=4)
+        )
+    kept = [param.grad for param in module.parameters() if param.grad is not None]
+    assert kept
+    assert len({grad.untyped_storage().data_ptr() for grad in kept}) == len(kept)
+
+
 def start_backward(features: Features, ctx: Context, batch: Any, loss_divisor: float) -> None:
     """A micro-batch up to its backward, with the events the callback dispatches around Lightning's hooks."""
     ctx.window.take(ends_epoch=False)

@@ -42,7 +42,7 @@ from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
 
 FLUSH = 64  # small gradients flattened together into one dot, when read from .grad
 LARGE = 1 << 14  # a gradient of this many elements or more gets its own dot: the launch no longer dominates
-STAGING = 1 << 20  # elements of the small parameters together, and of their rows (4 MiB at most in float32)
+STAGING = 1 << 20  # elements of the small parameters together, and of their rows unless three rows need more
 ROWS = 64  # backwards whose small gradients are kept, to be squared together, before they are squared
 ROW_TENSORS = 1 << 12  # tensors the rows are split into (one per parameter and row) at most
 
@@ -131,15 +131,15 @@ class SquareSums:
 class HeldGradients:
     """The small parameters' gradients of a window, in rows: each row the window's sum after one more backward.
 
-    Before a backward that reduces nothing across ranks, :meth:`take` copies the row ``.grad`` points at into the
-    next row and points each parameter's ``.grad`` at its place there (a tensor of its own over the rows' storage,
-    so each has its own version counter): autograd adds the backward's gradient into it in place, as it adds into
-    any ``.grad``. So ``.grad`` always holds the window's sum so far, with the values autograd gives it, and nothing
-    is done after the backward. Each backward's gradient is the difference of two consecutive rows: :meth:`flush`
+    Before a backward that reduces nothing across ranks, :meth:`take` copies the row holding the window's sum so far
+    into the next row and points each parameter's ``.grad`` at its place there (a tensor of its own over the rows'
+    storage): autograd adds the backward's gradient into it in place, as it adds into any ``.grad``. So ``.grad``
+    holds the window's sum so far, with the values autograd gives it, and nothing is done after the backward. A
+    parameter whose ``.grad`` is ``None`` keeps ``None``: autograd creates its gradient as it would without the
+    estimate, and the next :meth:`take` copies it into its place (as it copies a ``.grad`` set elsewhere, e.g. by a
+    ``create_graph=True`` backward). Each backward's gradient is the difference of two consecutive rows: :meth:`flush`
     squares the differences not yet squared together (one subtraction, one reduction), before anything changes
-    ``.grad`` in place (after the window's last backward, before a backward that reduces, when the rows run out). A
-    parameter that had no gradient when the window began keeps ``None`` after every backward that wrote none into
-    its place (its version unchanged), as autograd leaves it.
+    ``.grad`` in place (after the window's last backward, before a backward that reduces, when the rows run out).
 
     Args:
         params: Parameters of one dtype, on one device.
@@ -152,7 +152,6 @@ class HeldGradients:
         >>> for slot, value in enumerate((3.0, 4.0)):
         ...     held.take(slot, sums)
         ...     (value * weight.sum()).backward()  # a micro-batch's gradient (value, value)
-        ...     held.backward_done()
         >>> held.flush(sums); weight.grad.tolist(), sums.values(2, [])[0]
         ([7.0, 7.0], [18.0, 32.0])
     """
@@ -161,8 +160,8 @@ class HeldGradients:
         self.params = params
         device, dtype = params[0].device, params[0].dtype
         numel = sum(param.numel() for param in params)
-        # rows: as many as fit in STAGING elements, at most ROWS, at most ROW_TENSORS tensors in all, at least two
-        count = max(2, min(ROWS, STAGING // max(numel, 1), ROW_TENSORS // len(params)))
+        # rows: as many as fit in STAGING elements, at most ROWS, at most ROW_TENSORS tensors in all, at least three
+        count = max(3, min(ROWS, STAGING // max(numel, 1), ROW_TENSORS // len(params)))
         self.rows = torch.zeros(count, numel, dtype=dtype, device=device)
         self._rows = self.rows.unbind()  # a view per row, made once
         self._first_two = self.rows[:2]
@@ -184,55 +183,58 @@ class HeldGradients:
         for param in params if staging else ():
             self.stage_views.append(self.staging[offset : offset + param.numel()].view(param.shape))  # type: ignore[index]
             offset += param.numel()
-        self._held = bytearray(len(params))  # which parameters' .grad holds a value (not None), as autograd keeps it
-        self._unheld: list[int] = []  # the others, by index
-        self._expect: Sequence[torch.Tensor | None] = []  # each .grad as the latest backward left it
-        self._row: int | None = None  # the row .grad points at; None before the window's first take
+        self._held = bytearray(len(params))  # which parameters' sum the rows hold (their .grad is not None)
+        self._unheld: list[int] = []  # the others, by index: their .grad is None, their places zero
+        self._expect: Sequence[torch.Tensor | None] = []  # each .grad as the latest take left it
+        self._row: int | None = None  # the row holding the sum after the latest backward; None before the window's
         self._last = 0  # the row .grad pointed at when the last window ended
         self._base = 0  # the rows from here to _row hold differences not yet squared
         self._first_slot = 0  # the slot (backward of the window) of row _base + 1
-        self._versions: list[int] = []  # of the unheld parameters' places in _row, when taken
-        self._taken = False  # between take and backward_done
 
     def reset(self) -> None:
         """A new window: nothing of it is held yet."""
         if self._row is not None:
             self._last = self._row
-        self._row, self._taken = None, False
+        self._row = None
 
     def take(self, slot: int, sums: SquareSums) -> None:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
         row, params = self._row, self.params
         grads = [param.grad for param in params]
-        regular = (  # every backward of the window but the first: .grad as the last one left it
+        if (  # every backward of the window but the first: .grad as the last take left it
             row is not None
             and row + 1 < len(self._rows)
             and (row == self._base or slot == self._first_slot + row - self._base)
             and all(map(operator.is_, grads, self._expect))
-        )
-        if regular:
-            assert row is not None
+        ):
             self._rows[row + 1].copy_(self._rows[row])
+            row += 1
         else:
             row = self._settle_row(slot, grads, sums)
-        if row == self._base:
+        if row == self._base + 1:  # the first backward not yet squared
             self._first_slot = slot
-        row += 1
         places = self._places[row]
-        for param, place in zip(params, places, strict=True):
-            param.grad = place
-        self._expect = places
-        if self._unheld:  # parameters without a value yet: did this backward write their places?
-            self._versions = [places[index]._version for index in self._unheld]
-        self._row, self._taken = row, True
+        if self._unheld:  # they keep None: autograd creates their gradient, the next take copies it
+            expect: list[torch.Tensor | None] = list(places)
+            for index in self._unheld:
+                expect[index] = None
+            for param, place in zip(params, expect, strict=True):
+                if place is not None:
+                    param.grad = place
+            self._expect = expect
+        else:
+            for param, place in zip(params, places, strict=True):
+                param.grad = place
+            self._expect = places
+        self._row = row
 
     def _settle_row(self, slot: int, grads: list[torch.Tensor | None], sums: SquareSums) -> int:
-        """The row the next one is copied from, holding what ``.grad`` holds now (copied into the next row)."""
+        """The row this backward adds into, holding the window's sum so far (what ``.grad`` holds now)."""
         row = self._row
         if row is None:  # the window's first backward
             return self._start(grads)
         places, held = self._places[row], self._held
-        dropped = []
+        dropped, copy_to, copy_from = [], [], []
         for index, (grad, place) in enumerate(zip(grads, places, strict=True)):
             if grad is place:
                 continue
@@ -240,9 +242,12 @@ class HeldGradients:
                 if held[index]:  # something dropped it (set to None): the sum starts again from zero
                     dropped.append(place)
                     held[index] = 0
-            else:  # a new tensor (create_graph=True sums out of place; or set elsewhere): the sum it holds
-                place.copy_(grad.detach())
+            else:  # autograd's own (the parameter had None), or a tensor set elsewhere (create_graph=True): the sum
+                copy_to.append(place)
+                copy_from.append(grad.detach())
                 held[index] = 1
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
         self._unheld = [index for index, value in enumerate(held) if not value]
         pending = row != self._base
         full = row + 1 == len(self._rows)
@@ -250,26 +255,29 @@ class HeldGradients:
             self.flush(sums)  # the rows full, a sum dropped, or a backward in between not held
         if dropped:
             torch._foreach_zero_(dropped)
-        if row + 1 == len(self._rows):
+        if full:
             self._rows[0].copy_(self._rows[row])
             row = self._base = 0
         self._rows[row + 1].copy_(self._rows[row])
-        return row
+        return row + 1
 
     def _start(self, grads: list[torch.Tensor | None]) -> int:
-        """The window's first take: the row holding what ``.grad`` holds (zero where it holds ``None``)."""
+        """The window's first take: the base row holds what ``.grad`` holds (zero where it holds ``None``)."""
         last = self._last
         if all(map(operator.is_, grads, self._nones)):  # set to None (zero_grad's default): zeros, one fill
             self._held, self._unheld = bytearray(len(grads)), list(range(len(grads)))
             self._first_two.zero_()
             self._base = 0
-            return 0
+            return 1
         self._held = bytearray(grad is not None for grad in grads)
         self._unheld = [index for index, grad in enumerate(grads) if grad is None]
-        if last + 1 < len(self._rows) and all(map(operator.is_, grads, self._places[last])):
+        if last + 1 < len(self._rows) and all(
+            grad is None or grad is place for grad, place in zip(grads, self._places[last], strict=True)
+        ):
             row = last  # .grad left as the last window ended it (zeroed in place, or kept): no copy
-            self._rows[row + 1].copy_(self._rows[row])
-        else:  # some None, or tensors set elsewhere: each value copied (cloned first: it may lie in the rows)
+            if self._unheld:
+                torch._foreach_zero_([self._places[last][index] for index in self._unheld])
+        else:  # tensors set elsewhere: each value copied (cloned first: it may lie in the rows)
             row = 0
             present = [
                 (place, grad.detach().clone())
@@ -278,45 +286,17 @@ class HeldGradients:
             ]
             self._rows[0].zero_()
             torch._foreach_copy_([place for place, _ in present], [grad for _, grad in present])
-            self._rows[1].copy_(self._rows[0])
         self._base = row
-        return row
-
-    def backward_done(self) -> None:
-        """After the backward: a parameter it gave no gradient, and that had none, gets ``None`` back."""
-        if not self._taken:
-            return
-        self._taken = False
-        if not self._unheld:  # every parameter holds a value: nothing to give back
-            return
-        assert self._row is not None
-        params, places, held = self.params, self._places[self._row], self._held
-        for index, version in zip(self._unheld, self._versions, strict=True):
-            place = places[index]
-            if params[index].grad is not place:  # set elsewhere: the next take copies it
-                continue
-            if place._version != version:
-                held[index] = 1
-            else:
-                params[index].grad = None  # autograd wrote nothing: it would have left None
-        self._unheld = [index for index in self._unheld if not held[index]]
-        if self._unheld:
-            expect: list[torch.Tensor | None] = list(places)
-            for index in self._unheld:
-                expect[index] = None
-            self._expect = expect
+        self._rows[row + 1].copy_(self._rows[row])
+        return row + 1
 
     def restore(self) -> None:
-        """At the fit's end: each ``.grad`` a tensor of its own, so that the rows are freed.
-
-        Where a backward that never ended wrote nothing, ``None``, as after any other backward.
-        """
-        self.backward_done()
-        if self._row is None:
-            return
-        for param, place in zip(self.params, self._places[self._row], strict=True):
-            if param.grad is place:
-                param.grad = place.clone()
+        """At the fit's end: each ``.grad`` in the rows becomes a tensor of its own, so that the rows are freed."""
+        storage = self.rows.untyped_storage().data_ptr()
+        for param in self.params:
+            grad = param.grad
+            if grad is not None and grad.untyped_storage().data_ptr() == storage:
+                param.grad = grad.clone()
         self._row = None
 
     def flush(self, sums: SquareSums) -> None:
@@ -324,10 +304,14 @@ class HeldGradients:
         row = self._row
         if row is None or row == self._base:
             return
-        for param, place in zip(self.params, self._places[row], strict=True):
-            grad = param.grad
-            if grad is not None and grad is not place:  # create_graph=True summed out of place: the sum it holds
-                place.copy_(grad.detach())
+        # what autograd created (a parameter that had None) or summed out of place (create_graph=True): the sum
+        pairs = [
+            (place, grad)
+            for place, grad in zip(self._places[row], [param.grad for param in self.params], strict=True)
+            if grad is not None and grad is not place
+        ]
+        if pairs:
+            torch._foreach_copy_([place for place, _ in pairs], [grad.detach() for _, grad in pairs])
         rows = self.rows.narrow(0, self._base, row + 1 - self._base)
         if not self._wide:
             rows = rows.float()
@@ -338,7 +322,7 @@ class HeldGradients:
         """The parameters' gradients that exist: the row ``.grad`` points at, whole, when it holds every one."""
         grads = [param.grad for param in self.params]
         row = self._row
-        if row is not None and not self._unheld and all(map(operator.is_, grads, self._places[row])):
+        if row is not None and all(map(operator.is_, grads, self._expect)):  # the others' places are zero
             return [self._rows[row]]
         return [grad for grad in grads if grad is not None]
 
@@ -588,7 +572,6 @@ class NoiseScale(Feature):
             self._adding = self._staging_now = False
         if self._taking:
             assert held is not None
-            held.backward_done()
             if ctx.window.closed:  # the window's last backward: square its rows before anything scales .grad
                 held.flush(sums)
             self._taking = False
