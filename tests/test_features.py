@@ -328,7 +328,7 @@ def test_noise_scale_under_reentrant_checkpointing_of_a_shared_layer_and_create_
     assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
 
 
-def test_noise_scale_leaves_autograd_the_gradients_it_computed_and_allocates_none_for_small_ones():
+def test_noise_scale_leaves_autograd_the_gradients_it_computed_and_adds_later_small_ones_in_place():
     """A large gradient is squared in its hook and not kept, so autograd keeps the tensor it computed as ``.grad``
     instead of copying it (as it must for a gradient something else still holds). A small one is created by autograd
     where ``.grad`` is None (the window's first backward, as without the estimate), and after that added in place into

@@ -186,7 +186,7 @@ class HeldGradients:
         self._held = bytearray(len(params))  # which parameters' sum the rows hold (their .grad is not None)
         self._unheld: list[int] = []  # the others, by index: their .grad is None, their places zero
         self._expect: Sequence[torch.Tensor | None] = []  # each .grad as the latest take left it
-        self._row: int | None = None  # the row holding the sum after the latest backward; None before the window's
+        self._row: int | None = None  # the row holding the sum after the latest backward (None: no backward yet)
         self._last = 0  # the row .grad pointed at when the last window ended
         self._base = 0  # the rows from here to _row hold differences not yet squared
         self._first_slot = 0  # the slot (backward of the window) of row _base + 1
