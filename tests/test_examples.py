@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -142,8 +143,16 @@ def _train_lm(config: Path, *overrides: str, cwd: Path) -> str:
         timeout=600,
         check=False,
     )
+    printed = done.stdout + done.stderr
+    if done.returncode == -signal.SIGABRT and _EXIT_ABORT in done.stderr and "`Trainer.fit` stopped" in done.stderr:
+        # torch 2.13 can abort at interpreter exit after gloo on a loaded machine (a C++ thread still joinable when
+        # static objects are destroyed; tests/scripts/fsdp1_sync.py): the fit itself ran to its end
+        return printed
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout + done.stderr
+    return printed
+
+
+_EXIT_ABORT = "terminate called without an active exception"
 
 
 def test_the_ddp_config_trains_on_two_processes(tmp_path):
