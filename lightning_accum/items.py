@@ -45,9 +45,6 @@ def count_samples(batch: Any) -> int:
         >>> count_samples({"input_ids": torch.zeros(3, 7), "labels": torch.zeros(3, 7)})
         3
     """
-    kind = type(batch)
-    if (kind is tuple or kind is list) and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
-        return batch[0].shape[0]  # the usual batch, on every micro-step: no search
     tensor = _first_tensor(batch)
     if tensor is None:
         raise ValueError(
@@ -181,7 +178,8 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
     elif isinstance(batch, Sequence) and not isinstance(batch, str):
         values = batch
     for value in values or ():
-        found = _first_tensor(value)
+        # the usual batch's first entry is a tensor: taken without a recursive call
+        found = value if type(value) is torch.Tensor and value.dim() > 0 else _first_tensor(value)
         if found is not None:
             return found
     return None

@@ -71,7 +71,6 @@ class SquareSums:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._index = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() numbers it
-        self._on_cpu = device.type == "cpu"
         self._sums: list[torch.Tensor] = []  # 0-d (one slot) or 1-d (consecutive slots) sums on the device
         self._firsts: list[int] = []  # the slot of each one's first entry
 
@@ -116,7 +115,7 @@ class SquareSums:
 
     def values(self, count: int, columns: list[list[Any]]) -> tuple[list[float], list[list[float]]]:
         """The ``count`` slots' sums, and each column of numbers or tensors as floats: one transfer for them all."""
-        read, slots = _on_host(self._sums, columns, self._on_cpu)
+        read, slots = _on_host(self._sums, columns, on_cpu=self._index < 0)
         sums = [0.0] * count
         for first, values in zip(self._firsts, read, strict=True):
             if isinstance(values, float):  # one slot's
@@ -234,20 +233,13 @@ class HeldGradients:
         if row is None:  # the window's first backward
             return self._start(grads)
         places, held = self._places[row], self._held
-        dropped, copy_to, copy_from = [], [], []
+        for index in _copy_in(places, grads):
+            held[index] = 1
+        dropped = []
         for index, (grad, place) in enumerate(zip(grads, places, strict=True)):
-            if grad is place:
-                continue
-            if grad is None:
-                if held[index]:  # something dropped it (set to None): the sum starts again from zero
-                    dropped.append(place)
-                    held[index] = 0
-            else:  # autograd's own (the parameter had None), or a tensor set elsewhere (create_graph=True): the sum
-                copy_to.append(place)
-                copy_from.append(grad.detach())
-                held[index] = 1
-        if copy_to:
-            torch._foreach_copy_(copy_to, copy_from)
+            if grad is None and held[index]:  # something dropped it (set to None): the sum starts again from zero
+                dropped.append(place)
+                held[index] = 0
         self._unheld = [index for index, value in enumerate(held) if not value]
         pending = row != self._base
         full = row + 1 == len(self._rows)
@@ -304,14 +296,7 @@ class HeldGradients:
         row = self._row
         if row is None or row == self._base:
             return
-        # what autograd created (a parameter that had None) or summed out of place (create_graph=True): the sum
-        pairs = [
-            (place, grad)
-            for place, grad in zip(self._places[row], [param.grad for param in self.params], strict=True)
-            if grad is not None and grad is not place
-        ]
-        if pairs:
-            torch._foreach_copy_([place for place, _ in pairs], [grad.detach() for _, grad in pairs])
+        _copy_in(self._places[row], [param.grad for param in self.params])
         rows = self.rows.narrow(0, self._base, row + 1 - self._base)
         if not self._wide:
             rows = rows.float()
@@ -325,6 +310,22 @@ class HeldGradients:
         if row is not None and all(map(operator.is_, grads, self._expect)):  # the others' places are zero
             return [self._rows[row]]
         return [grad for grad in grads if grad is not None]
+
+
+def _copy_in(places: list[torch.Tensor], grads: list[torch.Tensor | None]) -> list[int]:
+    """Copy each gradient that is not its place into the place, in one call; return their indices.
+
+    Such a gradient holds the parameter's sum: autograd created it (the parameter had ``None``), summed it out of place
+    (``create_graph=True``), or something set it.
+    """
+    copied = [
+        index
+        for index, (grad, place) in enumerate(zip(grads, places, strict=True))
+        if grad is not None and grad is not place
+    ]
+    if copied:
+        torch._foreach_copy_([places[index] for index in copied], [grads[index].detach() for index in copied])  # type: ignore[union-attr]
+    return copied
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:
@@ -598,10 +599,7 @@ class NoiseScale(Feature):
             return
         if self._held is not None:
             self._held.flush(sums)  # rows left (the window closing events were not dispatched)
-        if not large and len(small) == 1:  # the rows' sum, whole: one reduction
-            sums.add(count, small[0])
-        else:
-            sums.add_all(count, large, small)
+        sums.add_all(count, large, small)
         # one transfer to the host per optimizer step: the sums, and whatever unscales and items are tensors
         squares, (unscales, items) = sums.values(count + 1, [unscales, items])
         bearing = [i for i in range(count) if items[i] > 0]  # a micro-batch without items holds no gradient sample
@@ -631,7 +629,7 @@ class NoiseScale(Feature):
     @override
     def fit_end(self, ctx: Context) -> None:
         if self._held is not None:
-            self._held.restore()  # a fit that ended inside a backward keeps the gradients as autograd would
+            self._held.restore()  # no .grad left in the rows: they are freed with this feature's references
         for hook in self._hooks.values():
             if hook is not None:
                 hook.remove()
