@@ -27,7 +27,7 @@ from lightning_accum._loop import LoopControl, ends_epoch
 from lightning_accum._microbatch import AUTO, MicroBatcher
 from lightning_accum._resume import ResumePoint
 from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
-from lightning_accum.events import Context, Event, Feature, Features, takes_dataloader_iter
+from lightning_accum.events import Context, Event, Feature, Features, resolve, takes_dataloader_iter
 from lightning_accum.features import (
     AdaptiveGrowth,
     ItemWeighting,
@@ -282,7 +282,7 @@ class AccumulationScheduler(Callback):
         self._features.dispatch(Event.FIT_START, ctx)
         self._features.settle()  # the features this fit gives nothing to do leave the window events
         self._take_charge(trainer)  # before the loop resets: a restart asks where the last window ended
-        self._resume.between_windows(trainer, self._current_state())
+        self._resume.between_windows(trainer, self._current_state(between=True))
         if self._schedule.max_factor > 1 or self._features.handle(Event.WINDOW_OPENING):
             _warn_if_optimization_hooks_are_overridden(pl_module)
             steps = _count_steps(trainer, self._spec, ctx.micro_batch_size)
@@ -302,7 +302,7 @@ class AccumulationScheduler(Callback):
             if isinstance(trainer.strategy, AccumulationStrategyMixin):
                 trainer.strategy.drop_unreduced_gradients()
             if self._resume.ready:
-                self._resume.between_windows(trainer, self._current_state())
+                self._resume.between_windows(trainer, self._current_state(between=True))
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *_: Any) -> None:
@@ -399,7 +399,7 @@ class AccumulationScheduler(Callback):
                 assert self._batcher is not None
                 ctx.metrics["accum/micro_batch_size"] = float(self._batcher.size or 0)
             self._features.dispatch(Event.WINDOW_CLOSED, ctx)
-            self._resume.between_windows(trainer, self._current_state())
+            self._resume.between_windows(trainer, self._current_state(between=True))
         ctx.batch = ctx.loss = ctx.optimizer = None
 
     @override
@@ -415,7 +415,7 @@ class AccumulationScheduler(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self._rewinding:  # inside a window: the state from before it, which the checkpoint resumes from
             assert self._resume.callback_state is not None
-            state = copy.deepcopy(self._resume.callback_state)
+            state = copy.deepcopy(resolve(self._resume.callback_state))
             if "micro_batch_size_found" in (current := self._current_state()):
                 state["micro_batch_size_found"] = current["micro_batch_size_found"]  # a size found stays found
             return state
@@ -429,12 +429,13 @@ class AccumulationScheduler(Callback):
             self._resume.rewind(checkpoint)
         self._features.on_save_checkpoint(checkpoint)
 
-    def _current_state(self) -> dict[str, Any]:
+    def _current_state(self, between: bool = False) -> dict[str, Any]:
+        """The callback's state; ``between`` windows, each feature's :meth:`~Feature.window_state` (see resolve)."""
         ctx = self._ctx
         own = {"samples_seen": ctx.samples_seen, "micro_steps": ctx.micro_steps, "window": ctx.window.state_dict()}
         if self._batcher is not None and self._batcher.auto and self._batcher.size is not None:
             own["micro_batch_size_found"] = self._batcher.size
-        return {**own, **self._features.state_dict()}
+        return {**own, **(self._features.window_states() if between else self._features.state_dict())}
 
     @property
     def _rewinding(self) -> bool:

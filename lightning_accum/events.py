@@ -113,9 +113,12 @@ class Context:
         items: Published at ``MICRO_BATCH_STARTED`` by item weighting: the micro-batch's samples or tokens on this
             rank (``None`` when every micro-batch weighs the same).
         window_items: Published at ``WINDOW_CLOSING`` by item weighting: the window's items on all ranks.
-        noise_scale: Published at ``GRADIENT_READY`` by the noise scale: the current estimate, or ``None``.
+        noise_scale: Published at ``GRADIENT_READY`` by the noise scale (:meth:`publish_noise`): the current
+            estimate, or ``None``; computed when first read.
         noise_batch: Published with it: ``(items in the window on all ranks, micro-batches in the window)`` of the
             latest measured step, in the estimate's unit.
+        step_logged: Published at ``WINDOW_OPENED`` by the metrics: whether the window's optimizer step is logged. A
+            feature whose metrics cost work (a transfer from the device) adds them only then.
         metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step.
         summary: Cleared before ``FIT_START`` and ``WINDOW_OPENED``; a feature adds a phrase for the run's summary
             (at ``FIT_START``) or for what changed with this window (at ``WINDOW_OPENED``).
@@ -150,10 +153,42 @@ class Context:
 
     items: Any = None
     window_items: float | None = None
-    noise_scale: float | None = None
-    noise_batch: tuple[float, int] | None = None
+    step_logged: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
+    _noise: tuple[float | None, tuple[float, int] | None] = field(default=(None, None), init=False, repr=False)
+    _noise_source: Callable[[], tuple[float | None, tuple[float, int] | None]] | None = field(
+        default=None, init=False, repr=False
+    )
+
+    @property
+    def noise_scale(self) -> float | None:  # noqa: D102 (the attributes above)
+        return self._published_noise()[0]
+
+    @noise_scale.setter
+    def noise_scale(self, value: float | None) -> None:
+        self._noise = (value, self._published_noise()[1])
+
+    @property
+    def noise_batch(self) -> tuple[float, int] | None:  # noqa: D102
+        return self._published_noise()[1]
+
+    @noise_batch.setter
+    def noise_batch(self, value: tuple[float, int] | None) -> None:
+        self._noise = (self._published_noise()[0], value)
+
+    def publish_noise(self, source: Callable[[], tuple[float | None, tuple[float, int] | None]]) -> None:
+        """Publish ``noise_scale`` and ``noise_batch`` as what ``source()`` returns when one of them is first read.
+
+        The estimate is then worked out (its squared norms moved to the host) only on the steps something reads it.
+        """
+        self._noise_source = source
+
+    def _published_noise(self) -> tuple[float | None, tuple[float, int] | None]:
+        source = self._noise_source
+        if source is not None:
+            self._noise_source, self._noise = None, source()
+        return self._noise
 
     def bind(self, trainer: Any, module: Any) -> None:
         """Attach the run's Trainer and LightningModule (at ``setup``): ranks and collectives come from its strategy."""
@@ -265,11 +300,24 @@ class Feature:
         """
         return {}
 
+    def window_state(self) -> dict[str, Any] | Callable[[], dict[str, Any]]:
+        """:meth:`state_dict` as a window closes, kept for a checkpoint written inside the next window.
+
+        A feature whose state costs work to read (a transfer from the device) returns a function instead, which
+        returns the state as it was at this call; it is called only if such a checkpoint is written.
+        """
+        return self.state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (read with defaults, so older checkpoints load)."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Amend the whole checkpoint being written (Lightning's dict), e.g. to keep a transient change out of it."""
+
+
+def resolve(states: Mapping[str, Any]) -> dict[str, Any]:
+    """``states`` with each function among its values (a :meth:`~Feature.window_state`) replaced by what it returns."""
+    return {name: state() if callable(state) else state for name, state in states.items()}
 
 
 _EVERY_FEATURE = (Event.SETUP, Event.FIT_START, Event.FIT_END)  # events no feature is ever left out of
@@ -320,6 +368,10 @@ class Features(Mapping[str, Feature]):
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """Every feature's state under its name."""
         return {name: feature.state_dict() for name, feature in self._features.items()}
+
+    def window_states(self) -> dict[str, dict[str, Any] | Callable[[], dict[str, Any]]]:
+        """Every feature's :meth:`~Feature.window_state` under its name: :func:`resolve` makes it a state."""
+        return {name: feature.window_state() for name, feature in self._features.items()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Let every feature amend the checkpoint being written."""

@@ -402,3 +402,117 @@ def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_spar
         nets[noise] = net
     for a, b in zip(nets[False].parameters(), nets[True].parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_sums_are_read_from_the_device_only_for_the_steps_logged(tmp_path, monkeypatch):
+    from lightning_accum.features import noise_scale as module
+
+    reads: list[int] = []
+    values = module.SquareSums.values
+
+    def counted(self, count, columns):
+        reads.append(count)
+        return values(self, count, columns)
+
+    monkeypatch.setattr(module.SquareSums, "values", counted)
+    x, y = make_data(96)  # 12 steps of 2 micro-batches of 4
+    callback = AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_decay=0.0)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer([callback], max_epochs=1, logger=logger, log_every_n_steps=4).fit(
+        RegressionModule(), DataLoader(TensorDataset(x, y), batch_size=4)
+    )
+    assert len(reads) == 3  # steps 4, 8 and 12: one transfer each, for the steps since the last
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    logged = [row.split(",")[header.index("accum/noise_scale")] for row in rows[1:]]
+    assert sum(bool(value) for value in logged) == 3
+
+
+class _SaveInside(pl.Callback):
+    """Listed after the scheduler: writes a checkpoint at ``hook`` of batch ``batch_idx`` (inside a window)."""
+
+    def __init__(self, hook: str, batch_idx: int, path: Any) -> None:
+        self.hook, self.batch_idx, self.path = hook, batch_idx, path
+
+    def _at(self, trainer: pl.Trainer, hook: str) -> None:
+        if hook == self.hook and trainer.fit_loop.epoch_loop.batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._at(trainer, "on_before_backward")
+
+    def on_after_backward(self, trainer, pl_module):
+        self._at(trainer, "on_after_backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._at(trainer, "on_before_optimizer_step")  # after GRADIENT_READY: the window's step is added
+
+
+class _StateAtBatchStart(pl.Callback):
+    """Records the noise scale's state as batch ``batch_idx`` of the first epoch starts (uninterrupted run)."""
+
+    def __init__(self, scheduler: AccumulationScheduler, batch_idx: int) -> None:
+        self.scheduler, self.batch_idx = scheduler, batch_idx
+        self.state: dict[str, Any] | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.batch_idx and trainer.current_epoch == 0:
+            self.state = self.scheduler.features["noise_scale"].state_dict()
+
+
+@pytest.mark.parametrize(
+    ("hook", "batch_idx"),
+    [("on_before_backward", 6), ("on_after_backward", 7), ("on_before_backward", 8), ("on_before_optimizer_step", 8)],
+)
+def test_a_checkpoint_inside_a_window_keeps_the_estimate_of_the_windows_start_with_steps_not_read(
+    tmp_path, hook, batch_idx
+):
+    # no logger: nothing reads the estimate during the run, so every step's sums wait on the device
+    x, y = make_data(48)  # 12 batches of 4, windows of 3: the one of batches 6-8 starts after 2 steps
+    loader = helpers.ResumableLoader(TensorDataset(x, y), batch_size=4)
+    whole = AccumulationScheduler({0: 3}, noise_scale=True)
+    start = _StateAtBatchStart(whole, 6)
+    trainer([whole, start], max_epochs=2).fit(RegressionModule(), loader)
+
+    path = tmp_path / "inside.ckpt"
+    interrupted = AccumulationScheduler({0: 3}, noise_scale=True)
+    trainer([interrupted, _SaveInside(hook, batch_idx, path)], max_epochs=1).fit(RegressionModule(), loader)
+    saved = torch.load(path, weights_only=False)["callbacks"]
+    (state,) = [value for key, value in saved.items() if key.startswith("AccumulationScheduler")]
+    assert start.state is not None
+    assert start.state["updates"] == 2.0
+    assert state["noise_scale"] == start.state  # the same folds, in the same order: equal floats
+
+    resumed = AccumulationScheduler({0: 3}, noise_scale=True)
+    trainer([resumed], max_epochs=2).fit(RegressionModule(seed=99), loader, ckpt_path=path)
+    assert resumed.features["noise_scale"].state_dict() == pytest.approx(
+        whole.features["noise_scale"].state_dict(), rel=1e-9
+    )
+
+
+def test_a_window_state_resolved_after_later_steps_were_folded_is_the_state_of_its_own_steps():
+    def run(windows: int, keep_after: int | None = None):
+        torch.manual_seed(0)
+        net = nn.Linear(3, 2)
+        noise, ctx = NoiseScale(decay=0.5), Context(module=net)
+        features, kept = Features([noise]), None
+        for window in range(windows):
+            ctx.window.open(2)
+            features.dispatch(Event.WINDOW_OPENED, ctx)
+            for _ in range(2):
+                ctx.batch, ctx.loss_divisor = torch.randn(4, 3), 2.0
+                features.dispatch(Event.BEFORE_BACKWARD, ctx)
+                (net(ctx.batch).pow(2).mean() / 2).backward()
+                ctx.window.take(ends_epoch=False)
+                features.dispatch(Event.AFTER_BACKWARD, ctx)
+            features.dispatch(Event.GRADIENT_READY, ctx)
+            net.zero_grad(set_to_none=True)
+            if window + 1 == keep_after:
+                kept = noise.window_state()
+        return noise, kept
+
+    alone, _ = run(2)
+    later, kept = run(5, keep_after=2)
+    assert callable(kept)  # two steps wait on the device
+    later.estimate  # noqa: B018 (reading it folds all five)
+    assert kept() == alone.state_dict()

@@ -50,6 +50,7 @@ class Metrics(Feature):
         self._loss, self._items, self._started = None, 0, time.perf_counter()
         self._step = ctx.optimizer_steps + 1  # the step this window takes
         self._logging = self._logs(ctx, self._step)  # its loss is summed only if that step is logged
+        ctx.step_logged = self._logging
         batch = (ctx.factor, ctx.effective_batch(ctx.factor))
         changes = []
         if self._batch is not None and batch != self._batch:

@@ -27,8 +27,9 @@ Reads ``ctx.items`` and ``ctx.window_items`` when item weighting publishes them;
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,15 +46,19 @@ LARGE = 1 << 14  # a gradient of this many elements or more gets its own dot: th
 STAGING = 1 << 20  # elements of the small parameters together, and of their rows unless three rows need more
 ROWS = 64  # backwards whose small gradients are kept, to be squared together, before they are squared
 ROW_TENSORS = 1 << 12  # tensors the rows are split into (one per parameter and row) at most
+ENTRIES = 256  # squares the sums hold before their room doubles
+STEPS = 64  # steps whose sums wait to be read at most: then they are read and folded into the estimate
 
 
 class SquareSums:
-    """The squared gradient norms of a window: one slot per backward, then one for the window's mean gradient.
+    """The squared gradient norms of the steps not read yet: one slot per backward, then one for the step's mean.
 
     Each addition is one reduction on the device (a large tensor's squared entries summed, small ones' flattened
-    together, or each row's of a matrix), kept there as it is, with the slot it belongs to; :meth:`values` moves them
-    to the host together, at the optimizer step, and adds them up per slot. Nothing is written into a preallocated
-    slot: an ``out=`` reduction costs several times a plain one on small tensors.
+    together, or each row's of a matrix) written into an entry of a float32 vector allocated beforehand, with the
+    slot it belongs to; :meth:`values` moves them to the host together and adds them up per slot. Nothing the
+    reductions make is kept: a small tensor made inside a backward and kept beyond it (a large gradient's square)
+    makes glibc page-fault backward's large allocations afresh (about 3 ms a micro-step on the compute-bound MLP of
+    the benchmarks). Only float64 sums, and sums on another device, are kept as tensors of their own.
 
     Args:
         device: Where the sums are computed: the gradients' device.
@@ -71,27 +76,73 @@ class SquareSums:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._index = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() numbers it
-        self._sums: list[torch.Tensor] = []  # 0-d (one slot) or 1-d (consecutive slots) sums on the device
+        self._entries = torch.empty(ENTRIES, device=device)  # float32: where the reductions write, one entry each
+        self._views = self._entries.unbind()  # each entry's view, made once
+        self._spans: dict[tuple[int, int], torch.Tensor] = {}  # (first entry, entries): their view, made once
+        self._slots: list[int] = []  # the slot of each entry written
+        self._roots: list[int] = []  # the entries that hold a norm (squared when read), not a square
+        self._sums: list[torch.Tensor] = []  # float64 or another device's: 0-d (one slot) or 1-d (consecutive slots)
         self._firsts: list[int] = []  # the slot of each one's first entry
 
     def clear(self) -> None:
-        """A new window: no slot holds anything."""
-        self._sums, self._firsts = [], []
+        """No slot holds anything."""
+        self._slots, self._roots, self._sums, self._firsts = [], [], [], []
+
+    def mark(self) -> tuple[int, int]:
+        """Where the sums stand: :meth:`rewind` drops what is added after."""
+        return len(self._slots), len(self._sums)
+
+    def rewind(self, mark: tuple[int, int]) -> None:
+        """Drop what was added since ``mark`` (a window dropped before its step)."""
+        entries, sums = mark
+        del self._slots[entries:], self._sums[sums:], self._firsts[sums:]
+        if self._roots and self._roots[-1] >= entries:
+            self._roots = [at for at in self._roots if at < entries]
+
+    def _room(self, count: int) -> int:
+        """The first of ``count`` free entries (twice the room, the entries so far copied over, when full)."""
+        at = len(self._slots)
+        size = self._entries.numel()
+        if at + count > size:
+            while at + count > size:
+                size *= 2
+            entries = torch.empty(size, device=self.device)
+            entries[:at].copy_(self._entries[:at])
+            self._entries, self._views, self._spans = entries, entries.unbind(), {}
+        return at
 
     def add(self, slot: int, tensor: torch.Tensor) -> None:
         """Add the squared entries of ``tensor`` to ``slot``."""
+        at = len(self._slots)
+        if (  # the usual: a float32 gradient on the device
+            tensor.dtype is torch.float32
+            and at < len(self._views)
+            and not tensor.requires_grad
+            and tensor.layout is torch.strided
+            and tensor.is_contiguous()
+            and tensor.get_device() == self._index
+        ):
+            flat = tensor.view(-1)
+            torch.dot(flat, flat, out=self._views[at])
+            self._slots.append(slot)
+            return
         if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
             tensor = tensor.detach()
         if tensor.is_sparse:  # an embedding's sparse gradient: its entries, each index once
             tensor = tensor.coalesce().values()
+        if tensor.dtype == torch.float64 or tensor.get_device() != self._index:  # a tensor of its own
+            square = torch.linalg.vector_norm(tensor).square()
+            self._sums.append(square if square.get_device() == self._index else square.to(self.device))
+            self._firsts.append(slot)
+            return
+        at = self._room(1)
         if tensor.dtype == torch.float32 and tensor.is_contiguous():
             flat = tensor.view(-1)
-            square = torch.dot(flat, flat)
-        else:  # a narrower dtype squared in float32, a wider one in its own; a strided one without a copy
-            narrow = tensor.dtype in (torch.bfloat16, torch.float16)
-            square = torch.linalg.vector_norm(tensor, dtype=torch.float32 if narrow else None).square()
-        self._sums.append(square if square.get_device() == self._index else square.to(self.device))
-        self._firsts.append(slot)
+            torch.dot(flat, flat, out=self._views[at])
+        else:  # a narrower dtype, or a strided tensor (no copy): its norm in float32, squared when read
+            torch.linalg.vector_norm(tensor, dtype=torch.float32, out=self._views[at])
+            self._roots.append(at)
+        self._slots.append(slot)
 
     def add_flat(self, slot: int, tensors: list[torch.Tensor]) -> None:
         """Add the squared entries of small ``tensors`` on one device to ``slot``: one flatten, one norm."""
@@ -107,19 +158,43 @@ class SquareSums:
     def add_steps(self, first: int, rows: torch.Tensor) -> None:
         """Add the squared difference of each two consecutive rows of ``rows`` to the slots from ``first`` on.
 
-        ``rows``: float32 or wider. One subtraction, one reduction.
+        ``rows``: float32 or wider, on the device. One subtraction, one reduction.
         """
         steps = torch.diff(rows, dim=0)
-        self._sums.append(torch.linalg.vecdot(steps, steps))
-        self._firsts.append(first)
+        if rows.dtype != torch.float32:
+            self._sums.append(torch.linalg.vecdot(steps, steps))
+            self._firsts.append(first)
+            return
+        self.add_rows(first, steps)
+
+    def add_rows(self, first: int, rows: torch.Tensor) -> None:
+        """Add the squared entries of each row of ``rows`` (float32, on the device) to the slots from ``first`` on.
+
+        One reduction.
+        """
+        count = rows.shape[0]
+        at = self._room(count)
+        span = self._spans.get((at, count))
+        if span is None:
+            span = self._spans[at, count] = self._entries.narrow(0, at, count)
+        torch.linalg.vecdot(rows, rows, out=span)
+        self._slots.extend(range(first, first + count))
 
     def values(self, count: int, columns: list[list[Any]]) -> tuple[list[float], list[list[float]]]:
-        """The ``count`` slots' sums, and each column of numbers or tensors as floats: one transfer for them all."""
-        read, slots = _on_host(self._sums, columns, on_cpu=self._index < 0)
+        """The first ``count`` slots' sums, and each column of numbers or tensors as floats: one transfer."""
+        written = len(self._slots)
+        read, slots = _on_host([*self._sums, self._entries.narrow(0, 0, written)], columns, self._index < 0)
         sums = [0.0] * count
+        entries = read.pop()
+        for at in self._roots:
+            entries[at] *= entries[at]
+        for slot, value in zip(self._slots, entries, strict=True):
+            if slot < count:
+                sums[slot] += value
         for first, values in zip(self._firsts, read, strict=True):
             if isinstance(values, float):  # one slot's
-                sums[first] += values
+                if first < count:
+                    sums[first] += values
                 continue
             for offset, value in enumerate(values):
                 if first + offset < count:
@@ -176,6 +251,9 @@ class HeldGradients:
                 offset += param.numel()
             self._places.append(places)
         self._wide = self.rows.dtype in (torch.float32, torch.float64)  # differenced and squared in its own dtype
+        # (first row, last row): the rows after the first, those before the last, and where their differences go
+        self._spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._steps: torch.Tensor | None = None  # float32 rows' differences, when squared
         self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
         self.stage_views: list[torch.Tensor] = []
         offset = 0
@@ -297,11 +375,27 @@ class HeldGradients:
         if row is None or row == self._base:
             return
         _copy_in(self._places[row], [param.grad for param in self.params])
-        rows = self.rows.narrow(0, self._base, row + 1 - self._base)
-        if not self._wide:
-            rows = rows.float()
-        sums.add_steps(self._first_slot, rows)
+        span = self._spans.get((self._base, row))
+        if span is None:  # each span's views made once
+            span = self._spans[self._base, row] = self._span(self._base, row)
+        later, earlier, steps = span
+        if steps is None:  # wider or narrower than float32: one difference in float32 or wider, one reduction
+            rows = self.rows.narrow(0, self._base, row + 1 - self._base)
+            sums.add_steps(self._first_slot, rows if self._wide else rows.float())
+        else:  # the differences into place, without an allocation
+            torch.sub(later, earlier, out=steps)
+            sums.add_rows(self._first_slot, steps)
         self._base = row
+
+    def _span(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The rows after ``base`` up to ``row``, those before them, and where their differences go (float32 rows)."""
+        count = row - base
+        if self.rows.dtype != torch.float32:
+            return self.rows, self.rows, None
+        if self._steps is None or self._steps.shape[0] < count:  # room for the longest span so far
+            self._steps = torch.empty(count, self.rows.shape[1], device=self.rows.device)
+            self._spans = {}
+        return self.rows[base + 1 : row + 1], self.rows[base:row], self._steps[:count]
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradients that exist: the row ``.grad`` points at, whole, when it holds every one."""
@@ -420,7 +514,12 @@ class NoiseScale(Feature):
         self._batch: tuple[float, int] | None = None  # (big batch, micro-steps) of the latest update
         self._device: torch.device | None = None  # the first trainable parameter's
         self._sums: SquareSums | None = None  # one slot per backward of the window, then the mean's
-        self._backwards = 0  # backwards of this window so far: the next one's slot
+        self._backwards = 0  # backwards of this window so far
+        self._first = 0  # the slot of this window's first backward: the steps not read yet hold the ones before
+        self._steps: list[tuple[Any, ...]] = []  # the steps whose sums are not read yet: what reads them needs
+        self._mark = (0, 0)  # where the sums stood when the latest step was added to them
+        self._folded = 0  # steps folded into the estimator (this feature's life): the steps added are these and _steps
+        self._kept: tuple[int, dict[str, Any] | None] = (-1, None)  # (steps, the estimator's state after them)
         self._adding = False  # whether the hooks add to the sums now (inside a backward of a window)
         self._slot = 0  # the slot they add to: the backward in progress
         self._taking = False  # whether the backward in progress adds the small gradients into a row
@@ -428,16 +527,18 @@ class NoiseScale(Feature):
         self._seen = bytearray()  # which of them did, by index, in the backward in progress
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
         self._small_items: list[Any] = []
+        self._tensors = False  # whether a divisor or a count of this window is a tensor
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
         """The current smoothed estimates."""
+        self._fold()
         return self._estimator.estimate
 
     @override
     def reset(self) -> None:
         self._estimator = NoiseScaleEstimator(self._estimator.decay)
-        self._batch = None
+        self._batch, self._steps = None, []
 
     @override
     def setup(self, ctx: Context) -> None:
@@ -450,7 +551,7 @@ class NoiseScale(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
-        self._unscales, self._small_items = [], []  # nothing of a dropped window survives
+        self._unscales, self._small_items, self._tensors = [], [], False  # nothing of a dropped window survives
         self._backwards, self._adding, self._taking, self._staging_now = 0, False, False, False
         if self._module is not ctx.module:  # the module's parameters, listed once per fit
             self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
@@ -465,7 +566,11 @@ class NoiseScale(Feature):
         if self._held is not None:
             self._held.reset()
         if self._sums is not None:
-            self._sums.clear()
+            if self._steps:  # what a window dropped before its step added goes
+                self._sums.rewind(self._mark)
+            else:  # every step read: the slots start again
+                self._sums.clear()
+                self._first = 0
 
     def _take_in(self, params: list[torch.Tensor], several_ranks: bool, keep: set[int]) -> None:
         """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
@@ -516,7 +621,7 @@ class NoiseScale(Feature):
         sums = self._sums
         if sums is None:
             sums = self._sums = SquareSums(self._device or torch.device("cpu"))
-        slot, held = self._backwards, self._held
+        slot, held = self._first + self._backwards, self._held
         # a backward that reduces nothing across ranks adds the small parameters' gradients into a row of their
         # own; one that reduces them is staged by their hooks before the reduction, which changes .grad in place, so
         # the rows are squared before it. Large gradients are squared in their hooks, while backward has just
@@ -531,9 +636,12 @@ class NoiseScale(Feature):
             self._seen = bytearray(len(held.params))  # type: ignore[union-attr]
         if self._large or self._staging_now:  # the hooks add to this backward's slot
             self._slot, self._adding = slot, True
-        self._unscales.append(ctx.loss_divisor)
-        self._small_items.append(_items(ctx))
-        self._backwards = slot + 1
+        divisor, items = ctx.loss_divisor, _items(ctx)
+        self._unscales.append(divisor)
+        self._small_items.append(items)
+        if isinstance(divisor, torch.Tensor) or isinstance(items, torch.Tensor):
+            self._tensors = True  # read with this step's sums: tensors are not kept beyond their step
+        self._backwards += 1
 
     def _add_large(self, grad: torch.Tensor) -> None:
         if self._adding:
@@ -584,12 +692,21 @@ class NoiseScale(Feature):
 
     @override
     def gradient_ready(self, ctx: Context) -> None:
-        self._update(ctx)
-        ctx.noise_scale, ctx.noise_batch = self.estimate.noise_scale, self._batch
+        self._add_step(ctx)
+        ctx.publish_noise(self._published)
 
-    def _update(self, ctx: Context) -> None:
-        """Fold this step's micro-batch gradients and their (reduced, normalized) mean into the estimator."""
-        count, self._backwards = self._backwards, 0
+    def _published(self) -> tuple[float | None, tuple[float, int] | None]:
+        self._fold()
+        return self._estimator.estimate.noise_scale, self._batch
+
+    def _add_step(self, ctx: Context) -> None:
+        """Add this step's window mean (reduced, normalized) to the sums, and what its estimate needs to the steps.
+
+        The sums are read (one transfer to the host) and folded into the estimator when something reads the
+        estimate, every ``STEPS`` steps, or at once when the step's divisors or items are tensors.
+        """
+        count, first, self._backwards = self._backwards, self._first, 0
+        tensors, self._tensors = self._tensors, False
         unscales, self._unscales = self._unscales, []
         items, self._small_items = self._small_items, []
         large = [param.grad for param in self._large if param.grad is not None]
@@ -599,25 +716,66 @@ class NoiseScale(Feature):
             return
         if self._held is not None:
             self._held.flush(sums)  # rows left (the window closing events were not dispatched)
-        sums.add_all(count, large, small)
-        # one transfer to the host per optimizer step: the sums, and whatever unscales and items are tensors
-        squares, (unscales, items) = sums.values(count + 1, [unscales, items])
+        sums.add_all(first + count, large, small)
+        scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
+        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None  # the window's backwards'
+        self._steps.append((first, count, unscales, items, scale, ctx.window_items, ctx.world_size))
+        self._first, self._mark = first + count + 1, sums.mark()
+        if len(self._steps) >= STEPS or tensors:
+            self._fold()  # tensors are not kept beyond their step
+
+    def _fold(self, count: int | None = None) -> None:
+        """Fold the steps not read yet (or the first ``count``) into the estimator, in order: one transfer."""
+        steps = self._steps[:count] if count is not None else self._steps
+        self._steps = self._steps[len(steps) :]
+        if not steps or self._sums is None:
+            return
+        unscales = [value for step in steps for value in step[2]]
+        items = [value for step in steps for value in step[3]]
+        squares, (unscales, items) = self._sums.values(self._first, [unscales, items])
+        at = 0  # each step's first divisor and count in the columns
+        for first, count, _, _, scale, window_items, world_size in steps:
+            self._fold_step(
+                squares[first : first + count + 1],
+                unscales[at : at + count],
+                items[at : at + count],
+                scale,
+                window_items,
+                world_size,
+            )
+            at += count
+            self._folded += 1
+            if self._folded == self._kept[0]:  # the state a window state asked for
+                self._kept = (self._folded, self._estimator.state_dict())
+
+    def _fold_step(
+        self,
+        squares: list[float],
+        unscales: list[float],
+        items: list[float],
+        scale: float | None,
+        window_items: float | None,
+        world_size: int,
+    ) -> None:
+        """Fold one step into the estimator: its backwards' squared norms and its mean's (the last of ``squares``)."""
+        count = len(unscales)
         bearing = [i for i in range(count) if items[i] > 0]  # a micro-batch without items holds no gradient sample
         if not bearing:
             return
         small_sq = sum(squares[i] * unscales[i] ** 2 for i in bearing) / len(bearing)
-        scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
-        if scaler is not None and scaler.is_enabled():  # the scale the window's backwards ran with
-            small_sq = small_sq / scaler.get_scale() ** 2
+        if scale is not None:  # the AMP loss scale the window's backwards ran with
+            small_sq = small_sq / scale**2
         inverse_small = sum(1.0 / items[i] for i in bearing) / len(bearing)
         # the step is the mean over every item of the window on every rank (item weighting), or else the mean of the
         # micro-batches' means over every rank
-        big = ctx.window_items if ctx.window_items is not None else count * ctx.world_size / inverse_small
+        big = window_items if window_items is not None else count * world_size / inverse_small
         self._estimator.update(small_sq, squares[count], inverse_small, big)
         self._batch = (big, count)
 
     @override
     def window_closed(self, ctx: Context) -> None:
+        if not ctx.step_logged:  # the estimate is read (its sums moved to the host) only for the steps logged
+            return
         estimate = self.estimate
         if estimate.noise_scale is not None:
             ctx.metrics["accum/noise_scale"] = estimate.noise_scale
@@ -628,20 +786,41 @@ class NoiseScale(Feature):
 
     @override
     def fit_end(self, ctx: Context) -> None:
+        self._fold()
         if self._held is not None:
             self._held.restore()  # no .grad left in the rows: they are freed with this feature's references
         for hook in self._hooks.values():
             if hook is not None:
                 hook.remove()
         self._hooks, self._large, self._held, self._unhooked, self._module = {}, [], None, [], None
-        self._unscales, self._small_items = [], []
+        self._unscales, self._small_items, self._tensors = [], [], False
         self._sums, self._adding, self._backwards, self._taking, self._staging_now = None, False, 0, False, False
+        self._first, self._mark = 0, (0, 0)
         self._stage_hooks, self._seen, self._device = False, bytearray(), None
 
     @override
     def state_dict(self) -> dict[str, Any]:
+        self._fold()
         return dict(self._estimator.state_dict())
 
     @override
+    def window_state(self) -> dict[str, Any] | Callable[[], dict[str, Any]]:
+        if not self._steps:
+            return self.state_dict()
+        added = self._folded + len(self._steps)
+        self._kept = (added, None)
+        return functools.partial(self._state_after, added)
+
+    def _state_after(self, added: int) -> dict[str, Any]:
+        """The estimator's state after the first ``added`` steps (those of a window state), however many are folded."""
+        if self._folded < added:
+            self._fold(added - self._folded)
+        steps, state = self._kept
+        if steps == added and state is not None:
+            return dict(state)
+        return dict(self._estimator.state_dict())  # folded just up to them
+
+    @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._steps, self._kept = [], (-1, None)  # replaced, as the estimator is
         self._estimator.load_state_dict(state)
