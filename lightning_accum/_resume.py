@@ -51,7 +51,8 @@ class ResumePoint:
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
         # kept as given, once per optimizer step: the callback builds it afresh, of plain values (each feature's
-        # state_dict() returns new containers; tests/test_architecture.py checks it), and copies it when it writes it
+        # state_dict() returns new containers; tests/test_architecture.py checks it) or of functions that return them
+        # (Feature.window_state), and resolves and copies it when it writes it
         self.callback_state = callback_state
         loaders = trainer.train_dataloader
         if loaders is not None and loaders is self._stateless:  # asked once per dataloader object, not per step

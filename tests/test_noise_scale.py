@@ -516,3 +516,23 @@ def test_a_window_state_resolved_after_later_steps_were_folded_is_the_state_of_i
     assert callable(kept)  # two steps wait on the device
     later.estimate  # noqa: B018 (reading it folds all five)
     assert kept() == alone.state_dict()
+
+
+def test_the_sums_stay_bounded_when_user_code_reads_the_estimate_inside_every_window():
+    # a read inside a window folds the steps before it; the window's own step then waits: its sums are all that stays
+    held: list[int] = []
+
+    class Reading(RegressionModule):
+        def training_step(self, batch, batch_idx):
+            noise = self.trainer.callbacks[0].features["noise_scale"]
+            noise.estimate  # noqa: B018 (a read, as user code might log it)
+            if noise._sums is not None:  # from the first backward on
+                held.append(noise._sums.mark()[0])
+            return super().training_step(batch, batch_idx)
+
+    x, y = make_data(4 * 4 * 40)  # 40 steps of 4 micro-batches of 4
+    callback = AccumulationScheduler({0: 4}, noise_scale=True)
+    trainer([callback], max_epochs=1).fit(Reading(), DataLoader(TensorDataset(x, y), batch_size=4))
+    assert len(held) == 159
+    assert max(held) <= 2 * 5  # the waiting step's 4 backwards and mean, and the window in progress's
+    assert callback.features["noise_scale"].estimate.noise_scale is not None

@@ -77,7 +77,7 @@ class SquareSums:
         self.device = device
         self._index = -1 if device.type == "cpu" else (device.index or 0)  # as Tensor.get_device() numbers it
         self._entries = torch.empty(ENTRIES, device=device)  # float32: where the reductions write, one entry each
-        self._views = self._entries.unbind()  # each entry's view, made once
+        self._views = self._entries.unbind()  # the first ENTRIES entries' views, made once (later ones: per use)
         self._spans: dict[tuple[int, int], torch.Tensor] = {}  # (first entry, entries): their view, made once
         self._slots: list[int] = []  # the slot of each entry written
         self._roots: list[int] = []  # the entries that hold a norm (squared when read), not a square
@@ -108,8 +108,22 @@ class SquareSums:
                 size *= 2
             entries = torch.empty(size, device=self.device)
             entries[:at].copy_(self._entries[:at])
-            self._entries, self._views, self._spans = entries, entries.unbind(), {}
+            self._entries, self._views, self._spans = entries, entries[:ENTRIES].unbind(), {}
         return at
+
+    def _entry(self, at: int) -> torch.Tensor:
+        return self._views[at] if at < len(self._views) else self._entries[at]
+
+    def rebase(self, first: int) -> None:
+        """Drop the sums of the slots before ``first`` (read already) and number the others from 0."""
+        cut = next((at for at, slot in enumerate(self._slots) if slot >= first), len(self._slots))
+        kept = len(self._slots) - cut
+        if cut and kept:
+            self._entries[:kept].copy_(self._entries[cut : cut + kept].clone())
+        self._slots = [slot - first for slot in self._slots[cut:]]
+        self._roots = [at - cut for at in self._roots if at >= cut]
+        sums = [(slot - first, tensor) for slot, tensor in zip(self._firsts, self._sums, strict=True) if slot >= first]
+        self._firsts, self._sums = [slot for slot, _ in sums], [tensor for _, tensor in sums]
 
     def add(self, slot: int, tensor: torch.Tensor) -> None:
         """Add the squared entries of ``tensor`` to ``slot``."""
@@ -138,9 +152,9 @@ class SquareSums:
         at = self._room(1)
         if tensor.dtype == torch.float32 and tensor.is_contiguous():
             flat = tensor.view(-1)
-            torch.dot(flat, flat, out=self._views[at])
+            torch.dot(flat, flat, out=self._entry(at))
         else:  # a narrower dtype, or a strided tensor (no copy): its norm in float32, squared when read
-            torch.linalg.vector_norm(tensor, dtype=torch.float32, out=self._views[at])
+            torch.linalg.vector_norm(tensor, dtype=torch.float32, out=self._entry(at))
             self._roots.append(at)
         self._slots.append(slot)
 
@@ -565,12 +579,18 @@ class NoiseScale(Feature):
             self._take_in(self._unhooked, several_ranks=ctx.world_size > 1, keep=sparse)
         if self._held is not None:
             self._held.reset()
-        if self._sums is not None:
-            if self._steps:  # what a window dropped before its step added goes
-                self._sums.rewind(self._mark)
-            else:  # every step read: the slots start again
-                self._sums.clear()
+        sums = self._sums
+        if sums is not None:
+            if not self._steps:  # every step read: the slots start again
+                sums.clear()
                 self._first = 0
+            else:
+                sums.rewind(self._mark)  # what a window dropped before its step added goes
+                first = self._steps[0][0]
+                if first:  # steps read inside a window left their sums: dropped, the others numbered from 0
+                    sums.rebase(first)
+                    self._steps = [(step[0] - first, *step[1:]) for step in self._steps]
+                    self._first, self._mark = self._first - first, sums.mark()
 
     def _take_in(self, params: list[torch.Tensor], several_ranks: bool, keep: set[int]) -> None:
         """Take in the trainable ``params``: a large gradient is squared in its hook, a small one held.
