@@ -57,8 +57,8 @@ class SquareSums:
     together, or each row's of a matrix) written into an entry of a float32 vector allocated beforehand, with the
     slot it belongs to; :meth:`values` moves them to the host together and adds them up per slot. Nothing the
     reductions make is kept: a small tensor made inside a backward and kept beyond it (a large gradient's square)
-    makes glibc page-fault backward's large allocations afresh (about 3 ms a micro-step on the compute-bound MLP of
-    the benchmarks). Only float64 sums, and sums on another device, are kept as tensors of their own.
+    makes glibc page-fault backward's large allocations afresh (3 ms a micro-step in a raw PyTorch loop over the
+    benchmarks' compute-bound MLP). Only float64 sums, and sums on another device, are kept as tensors of their own.
 
     Args:
         device: Where the sums are computed: the gradients' device.
