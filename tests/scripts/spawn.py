@@ -85,7 +85,16 @@ def run(name: str, out: Path) -> None:
         enable_model_summary=False,
     )
     module = TokenModule() if name == "every_option" else ManualTokenModule()
-    trainer.fit(module, torch.utils.data.DataLoader(DictDataset(make_tokens(64)), batch_size=4))
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(DictDataset(make_tokens(64)), batch_size=4))
+    except torch.multiprocessing.ProcessExitedException as error:
+        # torch 2.13 can abort a spawned gloo worker at interpreter exit on a loaded machine ("terminate called
+        # without an active exception": a C++ thread still joinable when static objects are destroyed; see
+        # fsdp1_sync.py). Only that abort, after both ranks wrote their records, is let through: the test checks them
+        written = all((out / f"{name}.rank{rank}.json").exists() for rank in (0, 1))
+        if error.signal_name != "SIGABRT" or not written:
+            raise
+        print(f"{name}: a worker aborted at exit after its fit ({error})", file=sys.stderr)
 
 
 if __name__ == "__main__":
