@@ -128,29 +128,24 @@ class SquareSums:
     def add(self, slot: int, tensor: torch.Tensor) -> None:
         """Add the squared entries of ``tensor`` to ``slot``."""
         at = len(self._slots)
-        if (  # the usual: a float32 gradient on the device
+        if not (  # the usual, checked first: a float32 gradient on the device, with a free entry
             tensor.dtype is torch.float32
             and at < len(self._views)
             and not tensor.requires_grad
             and tensor.layout is torch.strided
-            and tensor.is_contiguous()
             and tensor.get_device() == self._index
         ):
-            flat = tensor.view(-1)
-            torch.dot(flat, flat, out=self._views[at])
-            self._slots.append(slot)
-            return
-        if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
-            tensor = tensor.detach()
-        if tensor.is_sparse:  # an embedding's sparse gradient: its entries, each index once
-            tensor = tensor.coalesce().values()
-        if tensor.dtype == torch.float64 or tensor.get_device() != self._index:  # a tensor of its own
-            square = torch.linalg.vector_norm(tensor).square()
-            self._sums.append(square if square.get_device() == self._index else square.to(self.device))
-            self._firsts.append(slot)
-            return
-        at = self._room(1)
-        if tensor.dtype == torch.float32 and tensor.is_contiguous():
+            if tensor.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
+                tensor = tensor.detach()
+            if tensor.is_sparse:  # an embedding's sparse gradient: its entries, each index once
+                tensor = tensor.coalesce().values()
+            if tensor.dtype == torch.float64 or tensor.get_device() != self._index:  # a tensor of its own
+                square = torch.linalg.vector_norm(tensor).square()
+                self._sums.append(square if square.get_device() == self._index else square.to(self.device))
+                self._firsts.append(slot)
+                return
+            at = self._room(1)
+        if tensor.dtype is torch.float32 and tensor.is_contiguous():
             flat = tensor.view(-1)
             torch.dot(flat, flat, out=self._entry(at))
         else:  # a narrower dtype, or a strided tensor (no copy): its norm in float32, squared when read
@@ -266,7 +261,7 @@ class HeldGradients:
             self._places.append(places)
         self._wide = self.rows.dtype in (torch.float32, torch.float64)  # differenced and squared in its own dtype
         # (first row, last row): the rows after the first, those before the last, and where their differences go
-        self._spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self._spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._steps: torch.Tensor | None = None  # float32 rows' differences, when squared
         self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
         self.stage_views: list[torch.Tensor] = []
@@ -389,23 +384,21 @@ class HeldGradients:
         if row is None or row == self._base:
             return
         _copy_in(self._places[row], [param.grad for param in self.params])
-        span = self._spans.get((self._base, row))
-        if span is None:  # each span's views made once
-            span = self._spans[self._base, row] = self._span(self._base, row)
-        later, earlier, steps = span
-        if steps is None:  # wider or narrower than float32: one difference in float32 or wider, one reduction
+        if self.rows.dtype is not torch.float32:  # one difference in float32 (or float64), one reduction
             rows = self.rows.narrow(0, self._base, row + 1 - self._base)
             sums.add_steps(self._first_slot, rows if self._wide else rows.float())
         else:  # the differences into place, without an allocation
+            span = self._spans.get((self._base, row))
+            if span is None:  # each span's views made once
+                span = self._spans[self._base, row] = self._span(self._base, row)
+            later, earlier, steps = span
             torch.sub(later, earlier, out=steps)
             sums.add_rows(self._first_slot, steps)
         self._base = row
 
-    def _span(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The rows after ``base`` up to ``row``, those before them, and where their differences go (float32 rows)."""
+    def _span(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The float32 rows after ``base`` up to ``row``, those before them, and where their differences go."""
         count = row - base
-        if self.rows.dtype != torch.float32:
-            return self.rows, self.rows, None
         if self._steps is None or self._steps.shape[0] < count:  # room for the longest span so far
             self._steps = torch.empty(count, self.rows.shape[1], device=self.rows.device)
             self._spans = {}
