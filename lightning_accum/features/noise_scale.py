@@ -176,10 +176,10 @@ class SquareSums:
             return
         self.add_rows(first, steps)
 
-    def add_rows(self, first: int, rows: torch.Tensor) -> None:
+    def add_rows(self, first: int, rows: torch.Tensor, lead: int | None = None) -> None:
         """Add the squared entries of each row of ``rows`` (float32, on the device) to the slots from ``first`` on.
 
-        One reduction.
+        With ``lead``, the first row's go to slot ``lead``, the others' to the slots from ``first`` on. One reduction.
         """
         count = rows.shape[0]
         at = self._room(count)
@@ -187,7 +187,11 @@ class SquareSums:
         if span is None:
             span = self._spans[at, count] = self._entries.narrow(0, at, count)
         torch.linalg.vecdot(rows, rows, out=span)
-        self._slots.extend(range(first, first + count))
+        if lead is None:
+            self._slots.extend(range(first, first + count))
+        else:
+            self._slots.append(lead)
+            self._slots.extend(range(first, first + count - 1))
 
     def values(self, count: int, columns: list[list[Any]]) -> tuple[list[float], list[list[float]]]:
         """The first ``count`` slots' sums, and each column of numbers or tensors as floats: one transfer."""
@@ -263,6 +267,10 @@ class HeldGradients:
         # (first row, last row): the rows after the first, those before the last, and where their differences go
         self._spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._steps: torch.Tensor | None = None  # float32 rows' differences, when squared
+        # the window's last differences, made at its last backward into the rows after the one .grad points at, and
+        # squared at the step with the window's mean (that row) in one reduction: (row, differences, first slot)
+        self._pending: tuple[int, int, int] | None = None
+        self._tails: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
         self.stage_views: list[torch.Tensor] = []
         offset = 0
@@ -278,10 +286,10 @@ class HeldGradients:
         self._first_slot = 0  # the slot (backward of the window) of row _base + 1
 
     def reset(self) -> None:
-        """A new window: nothing of it is held yet."""
+        """A new window: nothing of it is held yet (differences left unsquared: a window without its step)."""
         if self._row is not None:
             self._last = self._row
-        self._row = None
+        self._row, self._pending = None, None
 
     def take(self, slot: int, sums: SquareSums) -> None:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
@@ -376,17 +384,29 @@ class HeldGradients:
             grad = param.grad
             if grad is not None and grad.untyped_storage().data_ptr() == storage:
                 param.grad = grad.clone()
-        self._row = None
+        self._row, self._pending = None, None
 
-    def flush(self, sums: SquareSums) -> None:
-        """Add the squared differences of the rows not yet squared (one per backward) to their slots of ``sums``."""
+    def flush(self, sums: SquareSums, last: bool = False) -> None:
+        """Add the squared differences of the rows not yet squared (one per backward) to their slots of ``sums``.
+
+        After the window's ``last`` backward, float32 differences that fit in the rows after the one ``.grad`` points
+        at are made there, and squared by :meth:`square_last` at the step, with the window's mean.
+        """
         row = self._row
         if row is None or row == self._base:
             return
         _copy_in(self._places[row], [param.grad for param in self.params])
+        count = row - self._base
         if self.rows.dtype is not torch.float32:  # one difference in float32 (or float64), one reduction
             rows = self.rows.narrow(0, self._base, row + 1 - self._base)
             sums.add_steps(self._first_slot, rows if self._wide else rows.float())
+        elif last and row + count < len(self._rows):  # the differences after the row .grad points at
+            tail = self._tails.get((self._base, row))
+            if tail is None:  # each tail's views made once
+                tail = self._tails[self._base, row] = self._tail(self._base, row)
+            later, earlier, steps, _ = tail
+            torch.sub(later, earlier, out=steps)
+            self._pending = (row, count, self._first_slot)
         else:  # the differences into place, without an allocation
             span = self._spans.get((self._base, row))
             if span is None:  # each span's views made once
@@ -396,6 +416,36 @@ class HeldGradients:
             sums.add_rows(self._first_slot, steps)
         self._base = row
 
+    def _tail(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The float32 rows after ``base`` up to ``row``, those before them, where their differences go, and ``row``.
+
+        The differences go into the rows after ``row`` (the last returned: ``row`` and those rows, squared together).
+        """
+        count = row - base
+        return (
+            self.rows[base + 1 : row + 1],
+            self.rows[base:row],
+            self.rows[row + 1 : row + 1 + count],
+            self.rows[row : row + 1 + count],
+        )
+
+    def square_last(self, sums: SquareSums, mean: int | None) -> bool:
+        """Square the differences :meth:`flush` left after the window's last backward, into their slots of ``sums``.
+
+        With ``mean`` (a slot), the row ``.grad`` points at (the window's mean, whole: :meth:`gradients`) is squared
+        with them, in the same reduction, into slot ``mean``. Returns whether differences were left.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        row, count, first = pending
+        rows = self._tails[row - count, row][3]
+        if mean is None or row != self._row:
+            sums.add_rows(first, rows[1:])
+        else:
+            sums.add_rows(first, rows, lead=mean)
+        return True
+
     def _span(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The float32 rows after ``base`` up to ``row``, those before them, and where their differences go."""
         count = row - base
@@ -403,6 +453,10 @@ class HeldGradients:
             self._steps = torch.empty(count, self.rows.shape[1], device=self.rows.device)
             self._spans = {}
         return self.rows[base + 1 : row + 1], self.rows[base:row], self._steps[:count]
+
+    def last_row(self) -> torch.Tensor | None:
+        """The row ``.grad`` pointed at after the latest backward (``None``: no backward this window)."""
+        return None if self._row is None else self._rows[self._row]
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradients that exist: the row ``.grad`` points at, whole, when it holds every one."""
@@ -535,6 +589,7 @@ class NoiseScale(Feature):
         self._unscales: list[Any] = []  # per backward: turns its gradient into the micro-batch mean's
         self._small_items: list[Any] = []
         self._tensors = False  # whether a divisor or a count of this window is a tensor
+        self._scaler: tuple[Any, Any] = (None, None)  # (trainer, its AMP loss scaler or None)
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
@@ -562,14 +617,15 @@ class NoiseScale(Feature):
         self._backwards, self._adding, self._taking, self._staging_now = 0, False, False, False
         if self._module is not ctx.module:  # the module's parameters, listed once per fit
             self._module, self._unhooked = ctx.module, list(ctx.module.parameters())
-        if any(param.requires_grad for param in self._unhooked):  # the first window, or a backbone unfrozen since
+        unhooked = self._unhooked
+        if unhooked and any(param.requires_grad for param in unhooked):  # the first window, or a layer unfrozen since
             sparse = {  # nn.Embedding(sparse=True) and the like: their gradients stay sparse, as autograd makes them
                 id(param)
                 for module in ctx.module.modules()
                 if getattr(module, "sparse", False) is True
                 for param in module.parameters(recurse=False)
             }
-            self._take_in(self._unhooked, several_ranks=ctx.world_size > 1, keep=sparse)
+            self._take_in(unhooked, several_ranks=ctx.world_size > 1, keep=sparse)
         if self._held is not None:
             self._held.reset()
         sums = self._sums
@@ -694,8 +750,8 @@ class NoiseScale(Feature):
             self._adding = self._staging_now = False
         if self._taking:
             assert held is not None
-            if ctx.window.closed:  # the window's last backward: square its rows before anything scales .grad
-                held.flush(sums)
+            if ctx.window.closed:  # the window's last backward: difference its rows before anything scales .grad
+                held.flush(sums, last=True)
             self._taking = False
 
     @override
@@ -723,14 +779,21 @@ class NoiseScale(Feature):
         unscales, self._unscales = self._unscales, []
         items, self._small_items = self._small_items, []
         large = [param.grad for param in self._large if param.grad is not None]
-        small = self._held.gradients() if self._held is not None else []
+        held = self._held
+        small = held.gradients() if held is not None else []
         sums = self._sums
         if not count or not (large or small) or sums is None:
             return
-        if self._held is not None:
-            self._held.flush(sums)  # rows left (the window closing events were not dispatched)
-        sums.add_all(first + count, large, small)
-        scaler = getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None)
+        sums.add_all(first + count, large, [])
+        if held is not None:
+            held.flush(sums)  # rows left (the window closing events were not dispatched)
+            whole = len(small) == 1 and small[0] is held.last_row()  # the mean is the row after the differences
+            if held.square_last(sums, first + count if whole else None) and whole:
+                small = []
+        sums.add_all(first + count, [], small)
+        if self._scaler[0] is not ctx.trainer:  # the trainer's loss scaler, looked up once per trainer
+            self._scaler = (ctx.trainer, getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None))
+        scaler = self._scaler[1]
         scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None  # the window's backwards'
         self._steps.append((first, count, unscales, items, scale, ctx.window_items, ctx.world_size))
         self._first, self._mark = first + count + 1, sums.mark()
@@ -809,7 +872,7 @@ class NoiseScale(Feature):
         self._unscales, self._small_items, self._tensors = [], [], False
         self._sums, self._adding, self._backwards, self._taking, self._staging_now = None, False, 0, False, False
         self._first, self._mark = 0, (0, 0)
-        self._stage_hooks, self._seen, self._device = False, bytearray(), None
+        self._stage_hooks, self._seen, self._device, self._scaler = False, bytearray(), None, (None, None)
 
     @override
     def state_dict(self) -> dict[str, Any]:
