@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accum import AccumulationScheduler
 from lightning_accum.events import Context, Event, Features
 from lightning_accum.features import NoiseScale
+from lightning_accum.features import noise_scale as noise_scale_module
 from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.window import Window
 from tests import helpers
@@ -335,6 +336,50 @@ def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
         assert torch.equal(a.grad, b.grad)
     features.dispatch(Event.GRADIENT_READY, ctx)
     assert ctx.noise_scale == pytest.approx(_noise_scale_reference(reference, batches), rel=1e-4)
+
+
+def _window_noise_scale(net: nn.Module, batches: list[Any], mean: list[torch.Tensor]) -> float:
+    """McCandlish et al.'s A.1, in plain PyTorch, from each micro-batch's mean-loss gradient and the step's ``mean``."""
+    small = [
+        torch.cat([g.flatten() for g in torch.autograd.grad(nn.functional.mse_loss(net(x), y), list(net.parameters()))])
+        for x, y in batches
+    ]
+    big = torch.cat([g.flatten() for g in mean])
+    n, b = len(batches), len(batches[0][0])
+    s_small, s_big = torch.stack([g @ g for g in small]).mean().item(), (big @ big).item()
+    return (b * n * (s_small - s_big) / (n - 1)) / ((n * s_big - s_small) / (n - 1))
+
+
+@pytest.mark.parametrize("rows", [64, 6], ids=["differences-beside-the-mean", "no-room-beside-the-mean"])
+@pytest.mark.parametrize("replaced", [False, True], ids=["grad-in-the-rows", "grad-replaced-before-the-step"])
+def test_a_windows_last_differences_are_squared_with_its_mean_or_on_their_own(rows, replaced, monkeypatch):
+    """After a window's last backward, its differences wait in the rows after the one ``.grad`` points at and are
+    squared with the mean at the step. Where the rows have no room after it, or something replaced ``.grad`` before
+    the step, each is squared on its own; a window dropped between its last backward and its step leaves nothing."""
+    monkeypatch.setattr(noise_scale_module, "ROWS", rows)
+    x, _ = make_data(48, seed=7)
+    y = x[:, :1] * 3.0 + 0.3 * torch.randn(48, 1, generator=torch.Generator().manual_seed(7))  # |G|^2 above the noise
+    windows = [[(x[i : i + 4], y[i : i + 4]) for i in range(start, start + 16, 4)] for start in (0, 16, 32)]
+    net = make_net()
+    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    for index, batches in enumerate(windows):
+        net.zero_grad(set_to_none=index != 1)  # the rows start again, or go on from the row .grad points at
+        ctx.window = Window()
+        ctx.window.open(4)
+        features.dispatch(Event.WINDOW_OPENED, ctx)
+        for xb, yb in batches:
+            start_backward(features, ctx, (xb, yb), 4.0)
+            (nn.functional.mse_loss(net(xb), yb) / 4).backward()
+            features.dispatch(Event.AFTER_BACKWARD, ctx)
+        if index == 0:  # dropped after its last backward (micro_batch_size="auto"): never steps
+            continue
+        if replaced:  # e.g. another callback's on_before_optimizer_step: the step's gradient is this tensor
+            net[0].bias.grad = net[0].bias.grad * 3.0
+        features.dispatch(Event.WINDOW_CLOSING, ctx)
+        mean = [param.grad.clone() for param in net.parameters()]
+        features.dispatch(Event.GRADIENT_READY, ctx)
+        assert ctx.noise_scale == pytest.approx(_window_noise_scale(net, batches, mean), rel=1e-4)
+    assert len(features["noise_scale"]._steps) == 0  # read: nothing of the dropped window was added
 
 
 def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
