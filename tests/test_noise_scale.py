@@ -382,6 +382,32 @@ def test_a_windows_last_differences_are_squared_with_its_mean_or_on_their_own(ro
     assert len(features["noise_scale"]._steps) == 0  # read: nothing of the dropped window was added
 
 
+@pytest.mark.parametrize("rows", [64, 6], ids=["differences-beside-the-mean", "no-room-beside-the-mean"])
+def test_every_micro_batch_of_a_windows_last_loader_batch_is_squared(rows, monkeypatch):
+    """``micro_batch_size`` splits a loader batch into micro-batches: the window's last loader batch runs several
+    backwards after the window closed, and each one's differences are squared before the next writes the rows."""
+    monkeypatch.setattr(noise_scale_module, "ROWS", rows)
+    x, _ = make_data(16, seed=8)
+    y = x[:, :1] * 3.0 + 0.3 * torch.randn(16, 1, generator=torch.Generator().manual_seed(8))
+    parts = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 16, 2)]  # 2 loader batches of 4 micro-batches
+    net = make_net()
+    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    ctx.window.open(2)
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    for batch in range(2):
+        ctx.window.take(ends_epoch=False)  # the loader batch: closes the window at the second
+        for xb, yb in parts[4 * batch : 4 * batch + 4]:
+            ctx.batch, ctx.loss_divisor = (xb, yb), 8.0
+            features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+            features.dispatch(Event.BEFORE_BACKWARD, ctx)
+            (nn.functional.mse_loss(net(xb), yb) / 8).backward()
+            features.dispatch(Event.AFTER_BACKWARD, ctx)
+    features.dispatch(Event.WINDOW_CLOSING, ctx)
+    mean = [param.grad.clone() for param in net.parameters()]
+    features.dispatch(Event.GRADIENT_READY, ctx)
+    assert ctx.noise_scale == pytest.approx(_window_noise_scale(net, parts, mean), rel=1e-4)
+
+
 def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
     """The window's first backward interrupted: a parameter it did not reach has no gradient after the fit's end."""
 

@@ -293,6 +293,8 @@ class HeldGradients:
 
     def take(self, slot: int, sums: SquareSums) -> None:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
+        if self._pending is not None:  # another backward after the window's last take (micro-batches of a batch)
+            self.square_last(sums, None)
         row, params = self._row, self.params
         grads = [param.grad for param in params]
         if (  # every backward of the window but the first: .grad as the last take left it
@@ -392,6 +394,8 @@ class HeldGradients:
         After the window's ``last`` backward, float32 differences that fit in the rows after the one ``.grad`` points
         at are made there, and squared by :meth:`square_last` at the step, with the window's mean.
         """
+        if self._pending is not None:  # squared before anything writes the rows again
+            self.square_last(sums, None)
         row = self._row
         if row is None or row == self._base:
             return
@@ -786,10 +790,10 @@ class NoiseScale(Feature):
             return
         sums.add_all(first + count, large, [])
         if held is not None:
-            held.flush(sums)  # rows left (the window closing events were not dispatched)
-            whole = len(small) == 1 and small[0] is held.last_row()  # the mean is the row after the differences
+            whole = len(small) == 1 and small[0] is held.last_row()  # the mean is the row before the differences
             if held.square_last(sums, first + count if whole else None) and whole:
                 small = []
+            held.flush(sums)  # rows left (the window closing events were not dispatched)
         sums.add_all(first + count, [], small)
         if self._scaler[0] is not ctx.trainer:  # the trainer's loss scaler, looked up once per trainer
             self._scaler = (ctx.trainer, getattr(getattr(ctx.trainer, "precision_plugin", None), "scaler", None))
