@@ -293,8 +293,8 @@ class HeldGradients:
 
     def take(self, slot: int, sums: SquareSums) -> None:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
-        if self._pending is not None:  # another backward after the window's last take (micro-batches of a batch)
-            self.square_last(sums, None)
+        if self._pending is not None:  # another backward after the window's last take (micro-batches of a batch):
+            self.square_last(sums, None)  # squared before the next row, the first difference's, is written
         row, params = self._row, self.params
         grads = [param.grad for param in params]
         if (  # every backward of the window but the first: .grad as the last take left it
@@ -394,10 +394,8 @@ class HeldGradients:
         After the window's ``last`` backward, float32 differences that fit in the rows after the one ``.grad`` points
         at are made there, and squared by :meth:`square_last` at the step, with the window's mean.
         """
-        if self._pending is not None:  # squared before anything writes the rows again
-            self.square_last(sums, None)
         row = self._row
-        if row is None or row == self._base:
+        if row is None or row == self._base:  # nothing since the last flush (a pending square waits for the step)
             return
         _copy_in(self._places[row], [param.grad for param in self.params])
         count = row - self._base
