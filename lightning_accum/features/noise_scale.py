@@ -268,8 +268,9 @@ class HeldGradients:
         self._spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._steps: torch.Tensor | None = None  # float32 rows' differences, when squared
         # the window's last differences, made at its last backward into the rows after the one .grad points at, and
-        # squared at the step with the window's mean (that row) in one reduction: (row, differences, first slot)
-        self._pending: tuple[int, int, int] | None = None
+        # squared at the step with the window's mean (that row) in one reduction: (that row and the differences' rows,
+        # that row's index, the first difference's slot)
+        self._pending: tuple[torch.Tensor, int, int] | None = None
         self._tails: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
         self.stage_views: list[torch.Tensor] = []
@@ -404,11 +405,13 @@ class HeldGradients:
             sums.add_steps(self._first_slot, rows if self._wide else rows.float())
         elif last and row + count < len(self._rows):  # the differences after the row .grad points at
             tail = self._tails.get((self._base, row))
-            if tail is None:  # each tail's views made once
+            if tail is None:  # each tail's views made once (a few are in use at a time)
+                if len(self._tails) >= len(self._rows):
+                    self._tails.clear()
                 tail = self._tails[self._base, row] = self._tail(self._base, row)
-            later, earlier, steps, _ = tail
+            later, earlier, steps, squared = tail
             torch.sub(later, earlier, out=steps)
-            self._pending = (row, count, self._first_slot)
+            self._pending = (squared, row, self._first_slot)
         else:  # the differences into place, without an allocation
             span = self._spans.get((self._base, row))
             if span is None:  # each span's views made once
@@ -440,8 +443,7 @@ class HeldGradients:
         pending, self._pending = self._pending, None
         if pending is None:
             return False
-        row, count, first = pending
-        rows = self._tails[row - count, row][3]
+        rows, row, first = pending
         if mean is None or row != self._row:
             sums.add_rows(first, rows[1:])
         else:
