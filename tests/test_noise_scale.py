@@ -382,6 +382,32 @@ def test_a_windows_last_differences_are_squared_with_its_mean_or_on_their_own(ro
     assert len(features["noise_scale"]._steps) == 0  # read: nothing of the dropped window was added
 
 
+def test_a_window_of_small_parameters_costs_one_reduction_at_its_step(monkeypatch):
+    """The micro-batches' squared norms and the mean's come out of one ``vecdot`` per optimizer step, at the step (the
+    window-closing event in between leaves the differences to it), and nothing reduces before the last backward."""
+    calls: list[str] = []
+    for owner, name in ((torch.linalg, "vecdot"), (torch, "dot"), (torch.linalg, "vector_norm")):
+        original = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    x, y = make_data(32, seed=9)
+    net = make_net()
+    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    for start in (0, 16):
+        net.zero_grad(set_to_none=True)
+        ctx.window = Window()
+        ctx.window.open(4)
+        features.dispatch(Event.WINDOW_OPENED, ctx)
+        for i in range(start, start + 16, 4):
+            start_backward(features, ctx, (x[i : i + 4], y[i : i + 4]), 4.0)
+            (nn.functional.mse_loss(net(x[i : i + 4]), y[i : i + 4]) / 4).backward()
+            features.dispatch(Event.AFTER_BACKWARD, ctx)
+        features.dispatch(Event.WINDOW_CLOSING, ctx)
+        assert calls == []
+        features.dispatch(Event.GRADIENT_READY, ctx)
+        assert calls == ["vecdot"]
+        calls.clear()
+
+
 @pytest.mark.parametrize("rows", [64, 6], ids=["differences-beside-the-mean", "no-room-beside-the-mean"])
 def test_every_micro_batch_of_a_windows_last_loader_batch_is_squared(rows, monkeypatch):
     """``micro_batch_size`` splits a loader batch into micro-batches: the window's last loader batch runs several
