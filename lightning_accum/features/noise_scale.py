@@ -7,10 +7,11 @@ and kept there with the backward it belongs to (:class:`SquareSums`) until the o
   backward reduces nothing across ranks: :class:`HeldGradients` keeps their gradients in rows, each the window's
   running sum after one more backward. Before a backward it copies the row ``.grad`` points at into the next one and
   points ``.grad`` there, so autograd adds the micro-batch's gradient in place (the additions autograd makes: the
-  same values) and nothing is done after the backward. Each backward's gradient is the difference of two rows,
-  squared with the others (one subtraction, one reduction) after the window's last backward, before anything scales
-  ``.grad``. Where a backward reduces (DDP's last micro-step), their hooks copy them into a float32 staging vector
-  before the reduction instead;
+  same values) and nothing is done after the backward but the window's last. Each backward's gradient is the
+  difference of two rows: after the window's last backward, before anything scales ``.grad``, one subtraction writes
+  the differences into the rows after the one ``.grad`` points at, and at the step one reduction squares them with
+  that row, the window's mean. Where a backward reduces (DDP's last micro-step), their hooks copy them into a
+  float32 staging vector before the reduction instead;
 - a large parameter's hook squares its gradient at once with one dot, as backward produces it. Nothing keeps a
   gradient that backward allocated: autograd frees each as it would without the estimate, so the allocator sees the
   same pattern (a gradient held across backward's large allocations makes glibc page-fault megabytes per
@@ -226,7 +227,9 @@ class HeldGradients:
     estimate, and the next :meth:`take` copies it into its place (as it copies a ``.grad`` set elsewhere, e.g. by a
     ``create_graph=True`` backward). Each backward's gradient is the difference of two consecutive rows: :meth:`flush`
     squares the differences not yet squared together (one subtraction, one reduction), before anything changes
-    ``.grad`` in place (after the window's last backward, before a backward that reduces, when the rows run out).
+    ``.grad`` in place (before a backward that reduces, when the rows run out); after the window's last backward it
+    only subtracts, into the rows after the one ``.grad`` points at, and :meth:`square_last` squares them with that
+    row, the window's mean, at the step.
 
     Args:
         params: Parameters of one dtype, on one device.
