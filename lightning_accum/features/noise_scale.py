@@ -267,14 +267,13 @@ class HeldGradients:
                 offset += param.numel()
             self._places.append(places)
         self._wide = self.rows.dtype in (torch.float32, torch.float64)  # differenced and squared in its own dtype
-        # (first row, last row): the rows after the first, those before the last, and where their differences go
-        self._spans: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._steps: torch.Tensor | None = None  # float32 rows' differences, when squared
+        # (first row, last row, after it): the rows after the first, those before the last, and where their
+        # differences go (the rows after the last, or the buffer below)
+        self._spans: dict[tuple[int, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._steps: torch.Tensor | None = None  # float32 rows' differences, when squared at once
         # the window's last differences, made at its last backward into the rows after the one .grad points at, and
-        # squared at the step with the window's mean (that row) in one reduction: (that row and the differences' rows,
-        # that row's index, the first difference's slot)
-        self._pending: tuple[torch.Tensor, int, int] | None = None
-        self._tails: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # squared at the step with the window's mean (that row) in one reduction: (that row, differences, first slot)
+        self._pending: tuple[int, int, int] | None = None
         self.staging = torch.zeros(numel, device=device) if staging else None  # float32, for the stage hooks
         self.stage_views: list[torch.Tensor] = []
         offset = 0
@@ -298,7 +297,7 @@ class HeldGradients:
     def take(self, slot: int, sums: SquareSums) -> None:
         """Before the backward of ``slot``: ``.grad`` to the next row, holding the window's sum so far."""
         if self._pending is not None:  # another backward after the window's last take (micro-batches of a batch):
-            self.square_last(sums, None)  # squared before the next row, the first difference's, is written
+            self.square_last(sums)  # squared before the next row, the first difference's, is written
         row, params = self._row, self.params
         grads = [param.grad for param in params]
         if (  # every backward of the window but the first: .grad as the last take left it
@@ -406,64 +405,53 @@ class HeldGradients:
         if self.rows.dtype is not torch.float32:  # one difference in float32 (or float64), one reduction
             rows = self.rows.narrow(0, self._base, row + 1 - self._base)
             sums.add_steps(self._first_slot, rows if self._wide else rows.float())
-        elif last and row + count < len(self._rows):  # the differences after the row .grad points at
-            tail = self._tails.get((self._base, row))
-            if tail is None:  # each tail's views made once (a few are in use at a time)
-                if len(self._tails) >= len(self._rows):
-                    self._tails.clear()
-                tail = self._tails[self._base, row] = self._tail(self._base, row)
-            later, earlier, steps, squared = tail
-            torch.sub(later, earlier, out=steps)
-            self._pending = (squared, row, self._first_slot)
         else:  # the differences into place, without an allocation
-            span = self._spans.get((self._base, row))
-            if span is None:  # each span's views made once
-                span = self._spans[self._base, row] = self._span(self._base, row)
+            after = last and row + count < len(self._rows)  # into the rows after the one .grad points at
+            span = self._spans.get((self._base, row, after))
+            if span is None:  # each span's views made once (a few are in use at a time)
+                if len(self._spans) >= len(self._rows):
+                    self._spans.clear()
+                span = self._spans[self._base, row, after] = self._span(self._base, row, after)
             later, earlier, steps = span
             torch.sub(later, earlier, out=steps)
-            sums.add_rows(self._first_slot, steps)
+            if after:
+                self._pending = (row, count, self._first_slot)
+            else:
+                sums.add_rows(self._first_slot, steps)
         self._base = row
 
-    def _tail(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The float32 rows after ``base`` up to ``row``, those before them, where their differences go, and ``row``.
-
-        The differences go into the rows after ``row`` (the last returned: ``row`` and those rows, squared together).
-        """
-        count = row - base
-        return (
-            self.rows[base + 1 : row + 1],
-            self.rows[base:row],
-            self.rows[row + 1 : row + 1 + count],
-            self.rows[row : row + 1 + count],
-        )
-
-    def square_last(self, sums: SquareSums, mean: int | None) -> bool:
+    def square_last(self, sums: SquareSums, mean: int | None = None, gradients: Sequence[torch.Tensor] = ()) -> bool:
         """Square the differences :meth:`flush` left after the window's last backward, into their slots of ``sums``.
 
-        With ``mean`` (a slot), the row ``.grad`` points at (the window's mean, whole: :meth:`gradients`) is squared
-        with them, in the same reduction, into slot ``mean``. Returns whether differences were left.
+        With ``mean`` (a slot) and the window's ``gradients`` as :meth:`gradients` gives them: when they are the row
+        ``.grad`` points at, whole (the window's mean), that row is squared with them, in the same reduction, into
+        slot ``mean``. Returns whether it was.
         """
         pending, self._pending = self._pending, None
         if pending is None:
             return False
-        rows, row, first = pending
-        if mean is None or row != self._row:
-            sums.add_rows(first, rows[1:])
-        else:
+        row, count, first = pending
+        rows = self.rows.narrow(0, row, count + 1)  # the row .grad points at, then the differences
+        if mean is not None and row == self._row and len(gradients) == 1 and gradients[0] is self._rows[row]:
             sums.add_rows(first, rows, lead=mean)
-        return True
+            return True
+        sums.add_rows(first, rows[1:])
+        return False
 
-    def _span(self, base: int, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The float32 rows after ``base`` up to ``row``, those before them, and where their differences go."""
+    def _span(self, base: int, row: int, after: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The float32 rows after ``base`` up to ``row``, those before them, and where their differences go.
+
+        The differences go into the rows after ``row`` (``after``: squared later, with ``row``), or into a buffer.
+        """
         count = row - base
-        if self._steps is None or self._steps.shape[0] < count:  # room for the longest span so far
-            self._steps = torch.empty(count, self.rows.shape[1], device=self.rows.device)
-            self._spans = {}
-        return self.rows[base + 1 : row + 1], self.rows[base:row], self._steps[:count]
-
-    def last_row(self) -> torch.Tensor | None:
-        """The row ``.grad`` pointed at after the latest backward (``None``: no backward this window)."""
-        return None if self._row is None else self._rows[self._row]
+        if after:
+            steps = self.rows[row + 1 : row + 1 + count]
+        else:
+            if self._steps is None or self._steps.shape[0] < count:  # room for the longest span so far
+                self._steps = torch.empty(count, self.rows.shape[1], device=self.rows.device)
+                self._spans = {}
+            steps = self._steps[:count]
+        return self.rows[base + 1 : row + 1], self.rows[base:row], steps
 
     def gradients(self) -> list[torch.Tensor]:
         """The parameters' gradients that exist: the row ``.grad`` points at, whole, when it holds every one."""
@@ -793,8 +781,7 @@ class NoiseScale(Feature):
             return
         sums.add_all(first + count, large, [])
         if held is not None:
-            whole = len(small) == 1 and small[0] is held.last_row()  # the mean is the row before the differences
-            if held.square_last(sums, first + count if whole else None) and whole:
+            if held.square_last(sums, first + count, small):  # the mean, squared with the differences
                 small = []
             held.flush(sums)  # rows left (the window closing events were not dispatched)
         sums.add_all(first + count, [], small)
