@@ -68,7 +68,7 @@ class LoopControl:
         """Whether Lightning's own arithmetic decides, with a factor another component set."""
         return self._following
 
-    def take_charge(self, at_epoch_start: bool) -> bool:
+    def take_charge(self) -> bool:
         """Route to the window, unless another component has set the factor: then follow it and return ``False``.
 
         Such a factor is followed from an epoch's start (as ``StochasticWeightAveraging`` sets one for its BatchNorm
@@ -78,7 +78,9 @@ class LoopControl:
             RuntimeError: If the factor was set, or given back, in the middle of an epoch: that would split a window.
         """
         changed = self.changed_elsewhere()
-        if changed != self._following and not at_epoch_start:
+        if self.in_charge and not changed:  # every micro-step but the first
+            return True
+        if changed != self._following and self._trainer.fit_loop.epoch_loop.batch_idx != 0:  # not at an epoch's start
             raise RuntimeError(
                 f"`trainer.accumulate_grad_batches` was set to {self._trainer.accumulate_grad_batches} in the middle"
                 " of an epoch; AccumulationScheduler sets it itself, and follows another component's value only from"

@@ -2,21 +2,24 @@
 
 Lightning runs ``training_step`` once per loader batch. While a fit runs with splitting, :class:`MicroBatcher`
 shadows the module's ``training_step`` with one that slices the loader batch into micro-batches of ``size`` rows
-(:func:`lightning_accum.split.split_batch`) and, for each, runs the user's ``training_step``, dispatches the
-micro-batch events to the features (each micro-batch is a micro-step for them: its items, its loss, its gradient)
-and runs its backward with gradient synchronisation skipped. The factor still counts loader batches.
+(:func:`lightning_accum.split.split_batch`) and, for each, tells its :class:`Owner` (the coordinator) that a
+micro-batch starts, runs the user's ``training_step`` and backpropagates its loss through Lightning's own
+``strategy.backward`` (the AMP loss scale, the ``on_before_backward`` / ``on_after_backward`` hooks of every callback
+and of the module, as for any backward) with gradient synchronisation skipped. Each micro-batch is a micro-step for
+the features; the factor still counts loader batches. Each loss is divided as Lightning divides the loss it
+backpropagates (by ``trainer.accumulate_grad_batches``, the window's size) and weighed by its share of the loader
+batch's rows under ``normalize_by="micro_batch"`` (so the step is the step on the whole batch); under ``"sample"``
+and ``"token"`` the item weighting does it.
 
 - ``m``: the last micro-batch goes back to Lightning as the step's loss, so Lightning runs its backward (with the
-  window's synchronisation, its GradScaler and its hooks) as for any micro-step. Under ``normalize_by="micro_batch"``
-  each micro-batch's loss is weighed by its share of the loader batch's rows, so the step is the step on the whole
-  batch; under ``"sample"`` and ``"token"`` the item weighting does it.
+  window's synchronisation) as for any micro-step.
 - ``"auto"``: every micro-batch's backward runs here, under ``try``; the step's loss handed to Lightning is an anchor,
   ``sum(0 x p)`` over the trainable parameters, whose backward adds exact zeros and so lets DDP all-reduce the
-  accumulated gradients where the window ends. After each loader batch, every rank learns (one all-reduce) whether
-  any rank ran out of memory; if one did, every rank drops the window in progress, frees what the attempt held,
-  halves the micro-batch size (the smallest over ranks) and trains the same loader batch again as the first of a new
-  window. The size never grows back: a size that once ran out of memory may do so again on a longer batch, and a
-  fixed size keeps a run reproducible.
+  accumulated gradients where the window ends (it is no micro-batch: :attr:`MicroBatcher.anchored`). After each
+  loader batch, every rank learns (one all-reduce) whether any rank ran out of memory; if one did, every rank drops the
+  window in progress, frees what the attempt held, halves the micro-batch size (the smallest over ranks) and trains
+  the same loader batch again as the first of a new window. The size never grows back: a size that once ran out of
+  memory may do so again on a longer batch, and a fixed size keeps a run reproducible.
 
 Lightning glue: it shadows ``training_step`` on the module instance for the fit and removes the shadow after it.
 """
@@ -25,17 +28,34 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_accum._ranks import any_rank, smallest
 from lightning_accum.split import batch_rows, is_out_of_memory, split_batch
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import skip_gradient_sync
+from lightning_accum.window import Window
 
 AUTO = "auto"
+
+
+class Owner(Protocol):
+    """The coordinator's side of the micro-batches of a split loader batch."""
+
+    def micro_batch_started(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
+        """A micro-batch carrying ``share`` of its loader batch's rows begins.
+
+        Returns its items (``None`` when every micro-batch weighs the same) and the share of the loader batch's loss
+        its loss is weighed by (``1.0`` where item weighting weighs it).
+        """
+
+    def restart_window(self, trainer: Any) -> None:
+        """Out of memory: drop the window in progress (and what it holds), open one at this loader batch."""
 
 
 class MicroBatcher:
@@ -44,35 +64,32 @@ class MicroBatcher:
     Args:
         size: Rows per micro-batch, or ``None`` to start ``"auto"`` at the loader batch's size.
         auto: Halve the size on an out-of-memory error and retry the loader batch.
-        hooks: The coordinator's side of a micro-batch, as callables: ``start(batch)`` (before its forward),
-            ``before_backward(loss, divisor)`` (returns the tensor to backpropagate), ``after_backward()``,
-            ``restart_window()`` (drop the window in progress and open one at this loader batch) and
-            ``any_rank(flag) -> bool``, ``smallest(size) -> int`` (agreement across ranks).
 
     Example::
 
-        batcher = MicroBatcher(size=4, auto=False, hooks=coordinator_hooks)
-        batcher.install(trainer, module)   # at the fit's start
+        batcher = MicroBatcher(size=4, auto=False)
+        batcher.install(trainer, module, owner=coordinator, window=window)  # at the fit's start
         ...
-        batcher.release()                  # at its end
+        batcher.release()                                                   # at its end
     """
 
-    def __init__(self, size: int | None, auto: bool, hooks: dict[str, Callable[..., Any]]) -> None:
+    def __init__(self, size: int | None, auto: bool) -> None:
         self.size = size
         self.auto = auto
-        self._hooks = hooks
         self._module: Any = None
         self._original: Any = None
         self._trainer: Any = None
+        self._owner: Owner | None = None
+        self._window: Window | None = None
         self.changes: list[tuple[int, int]] = []  # (old size, new size), for the summary
-        self.share = 1.0  # the share of the loader batch's loss the micro-batch in progress carries
-        self.anchored = False  # the loss handed to Lightning is the anchor: its backward is no micro-batch's
-        self.report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's mean loss and its items
+        self.anchored = False  # the backward Lightning runs now is the anchor's: no micro-batch's
+        self._report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's mean loss and its items
 
-    def install(self, trainer: Any, module: Any) -> None:
-        """Shadow ``module.training_step`` for this fit."""
+    def install(self, trainer: Any, module: Any, owner: Owner, window: Window) -> None:
+        """Shadow ``module.training_step`` for this fit; ``window`` says when a loader batch opens a window."""
         self.release()
         self._trainer, self._module, self._original = trainer, module, module.training_step
+        self._owner, self._window = owner, window
         module.training_step = self._training_step
 
     @property
@@ -80,24 +97,42 @@ class MicroBatcher:
         """Whether this fit splits (from ``install`` to ``release``)."""
         return self._module is not None
 
+    def report(self) -> tuple[torch.Tensor | None, Any] | None:
+        """The loader batch's mean loss and its items, after its ``training_step``; ``None`` when not splitting."""
+        return self._report if self.installed else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """With ``"auto"``: the size found, which a resumed run keeps (it does not search again)."""
+        return {"micro_batch_size_found": self.size} if self.auto and self.size is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (from the callback's whole state)."""
+        if self.auto and state.get("micro_batch_size_found"):
+            self.size = int(state["micro_batch_size_found"])
+
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_module=None, _original=None, _trainer=None, report=(None, None))  # one fit's, one process's
+        state = self.__dict__.copy()  # one fit's, one process's:
+        state.update(_module=None, _original=None, _trainer=None, _owner=None, _window=None, _report=(None, None))
         return state
 
     def release(self) -> None:
         """Give the module its own ``training_step`` back."""
         if self._module is not None and "training_step" in vars(self._module):
             del self._module.training_step
-        self._module = self._original = self._trainer = None
+        self._module = self._original = self._trainer = self._owner = self._window = None
+        self.anchored = False
 
     # ------------------------------------------------------------------ one loader batch
 
     def _training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         self.anchored = False  # set again when this batch hands Lightning an anchor
+        assert self._window is not None
+        if self._window.is_first:  # Lightning would zero them after training_step, where the micro-batches run
+            for optimizer in self._trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
         rows = batch_rows(batch)
         if self.size is None:  # "auto" starts at the loader batch's size
-            self.size = self._hooks["smallest"](rows or 1)
+            self.size = smallest(self._trainer, rows or 1)
         if not self.auto:
             return self._split(batch, rows, args, kwargs, anchor=False)
         while True:
@@ -110,7 +145,7 @@ class MicroBatcher:
                 failed, result = True, None
                 _forget(error)
                 del error
-            if not self._hooks["any_rank"](failed):
+            if not any_rank(self._trainer, failed):
                 return result
             self._retry_smaller()
 
@@ -118,29 +153,34 @@ class MicroBatcher:
         assert self.size is not None
         for param in self._module.parameters():
             param.grad = None
-        self.report = (None, None)
+        self._report = (None, None)
         if self.size <= 1:
             raise RuntimeError(
                 "micro_batch_size='auto': a micro-batch of one sample does not fit in memory; reduce the model, the"
                 " sequence length or the precision"
             )
-        old, self.size = self.size, self._hooks["smallest"](max(1, self.size // 2))
+        old, self.size = self.size, smallest(self._trainer, max(1, self.size // 2))
         self.changes.append((old, self.size))
-        self._hooks["restart_window"]()  # drops what the coordinator held of the failed attempt (its loss too)
+        rank_zero_info(
+            f"AccumulationScheduler: out of memory with micro-batches of {old}; training this batch again, as the"
+            f" first of a new window, with micro-batches of {self.size} (optimizer step {self._trainer.global_step})"
+        )
+        assert self._owner is not None
+        self._owner.restart_window(self._trainer)  # drops what the coordinator held of the failed attempt
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def _split(self, batch: Any, rows: int | None, args: Any, kwargs: Any, anchor: bool) -> Any:
         assert self.size is not None
+        assert self._owner is not None
         parts = split_batch(batch, self.size) if rows is not None and rows > self.size else [batch]
-        weights = [(batch_rows(part) or 1) / (rows or 1) for part in parts]
         report_loss: torch.Tensor | None = None
         report_items: Any = None
         output: Any = None
-        for index, (part, weight) in enumerate(zip(parts, weights, strict=True)):
-            last = index == len(parts) - 1
-            items, share = self._hooks["start"](part, weight)
+        for index, part in enumerate(parts):
+            weight = (batch_rows(part) or 1) / (rows or 1)
+            items, share = self._owner.micro_batch_started(part, weight)
             output = self._original(part, *args, **kwargs)
             loss = _loss_of(output)
             if loss is None:
@@ -152,22 +192,20 @@ class MicroBatcher:
                 weighted = detached * torch.as_tensor(items, dtype=detached.dtype, device=detached.device)
                 report_loss = weighted if report_loss is None else report_loss + weighted
                 report_items = items if report_items is None else report_items + items
-            if last and not anchor:
-                self.report = _mean(report_loss, report_items), report_items
-                returned = loss * share  # Lightning divides it by the window's size, then runs its backward
-                return _with_loss(output, _shown_as(returned, self.report[0]))
-            with self._no_sync():
-                tensor = self._hooks["before_backward"](loss, share)
-                tensor.backward()
-                self._hooks["after_backward"]()
-        self.report = _mean(report_loss, report_items), report_items
+            if index == len(parts) - 1 and not anchor:
+                self._report = _mean(report_loss, report_items), report_items
+                # Lightning divides it by the window's size and runs its backward, with the window's synchronisation
+                return _with_loss(output, _shown_as(loss * share, self._report[0]))
+            with self._no_sync():  # divided as Lightning divides the loss it backpropagates
+                self._trainer.strategy.backward(loss * share / self._trainer.accumulate_grad_batches, None)
+        self._report = _mean(report_loss, report_items), report_items
         if not anchor:
             return output
         # the parameters that received a gradient (one no micro-batch used keeps None, as in plain PyTorch)
         params = [p for p in self._module.parameters() if p.requires_grad and p.grad is not None]
         zero = sum((p * 0).sum() for p in params) if params else torch.zeros((), requires_grad=True)
         self.anchored = True
-        return _with_loss(output, _shown_as(zero, self.report[0]))
+        return _with_loss(output, _shown_as(zero, self._report[0]))
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:

@@ -8,6 +8,8 @@ do not change inside a window, so only the loop's batch counters, the train data
 and writes them into such a checkpoint; the resumed run then trains the whole window again from the same weights
 and the same batches, and ends where the uninterrupted run ends.
 
+It also counts what a checkpoint written without the callback's state has done (:func:`count_from_the_loop`).
+
 Lightning glue: it reads ``trainer.fit_loop`` (public attributes) and writes the ``"loops"`` entry of Lightning's
 checkpoint dict, whose layout ``tests/test_lightning_contract.py`` pins.
 """
@@ -18,6 +20,7 @@ import copy
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
 
@@ -26,15 +29,17 @@ class ResumePoint:
     """The state a checkpoint needs to resume at the first micro-step of the window in progress.
 
     Call :meth:`between_windows` when no window is in progress (at the fit's start and after each window's last
-    micro-step), :meth:`window_opened` at each window's first micro-step, and :meth:`rewind` on a checkpoint written
-    before the window in progress ended.
+    micro-step) and :meth:`window_opened` at each window's first micro-step; set :attr:`in_step` from a micro-step's
+    start to its end. A checkpoint written then takes :meth:`state` as the callback's state and :meth:`rewind` for
+    Lightning's loops.
 
     Example::
 
         point = ResumePoint()
         point.between_windows(trainer, callback.state_dict())   # after a step: what comes next is a new window
         point.window_opened(trainer)                             # the window's first micro-step begins
-        point.rewind(checkpoint)                                 # a checkpoint written inside the window
+        state = point.state(current, window_open=True)           # a checkpoint written inside the window...
+        point.rewind(checkpoint, window_open=True)               # ...resumes at the window's first batch
     """
 
     def __init__(self) -> None:
@@ -51,8 +56,7 @@ class ResumePoint:
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
         # kept as given, once per optimizer step: the callback builds it afresh, of plain values (each feature's
-        # state_dict() returns new containers; tests/test_architecture.py checks it) or of functions that return them
-        # (Feature.window_state), and resolves and copies it when it writes it
+        # state_dict() returns new containers; tests/test_architecture.py checks it), and it is copied when written
         self.callback_state = callback_state
         loaders = trainer.train_dataloader
         if loaders is not None and loaders is self._stateless:  # asked once per dataloader object, not per step
@@ -79,9 +83,28 @@ class ResumePoint:
         """Whether a window's start is known (not before the fit's first micro-step)."""
         return self.callback_state is not None and self._batches is not None
 
-    def rewind(self, checkpoint: dict[str, Any]) -> None:
-        """Make ``checkpoint``'s loop and dataloaders resume at the window's first batch."""
-        assert self._batches is not None, "rewind only once a window has opened"
+    def inside(self, window_open: bool) -> bool:
+        """Whether a checkpoint written now falls inside a window (a micro-step in progress, or ``window_open``)."""
+        return self.ready and (self.in_step or window_open) and not self.stepped
+
+    def state(self, current: dict[str, Any], window_open: bool) -> dict[str, Any]:
+        """The callback's state to checkpoint: ``current``, or inside a window the state kept at its start.
+
+        A micro-batch size that ``"auto"`` found stays found.
+        """
+        if not self.inside(window_open):
+            return current
+        assert self.callback_state is not None
+        state = copy.deepcopy(self.callback_state)
+        if "micro_batch_size_found" in current:
+            state["micro_batch_size_found"] = current["micro_batch_size_found"]
+        return state
+
+    def rewind(self, checkpoint: dict[str, Any], window_open: bool) -> None:
+        """Inside a window, make ``checkpoint``'s loop and dataloaders resume at the window's first batch."""
+        if not self.inside(window_open):
+            return
+        assert self._batches is not None
         fit_loop = checkpoint.get("loops", {}).get("fit_loop")
         if not isinstance(fit_loop, dict) or _BATCH_PROGRESS not in fit_loop:
             return  # not Lightning's layout (a contract test guards it): leave the checkpoint as written
@@ -99,3 +122,16 @@ class ResumePoint:
             # that epoch's end (torchdata's StatefulDataLoader then yields nothing); without a state, each loader
             # starts the epoch afresh, as the window does
             loop_state.pop("combined_loader", None)
+
+
+def count_from_the_loop(trainer: pl.Trainer, samples_per_micro_step: int) -> tuple[int, int]:
+    """``(micro-steps, samples)`` done, for a resume from a checkpoint without the callback's state, from the loop."""
+    done = int(getattr(trainer.fit_loop.epoch_loop.batch_progress.total, "processed", 0))  # a _ProcessedTracker
+    samples = done * samples_per_micro_step
+    rank_zero_warn(
+        f"AccumulationScheduler: the checkpoint {str(trainer.ckpt_path)!r} holds no AccumulationScheduler state"
+        f" (it was written without this callback); counting the {done} micro-batches the loop has done"
+        f" ({samples} samples) for the schedule, while the LR-scaling base and warmup, the noise-scale"
+        " estimate and adaptive growth start afresh"
+    )
+    return done, samples

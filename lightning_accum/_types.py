@@ -53,8 +53,10 @@ def parse_scheduling(value: Any) -> dict[int, int]:
 
     if not isinstance(value, dict):
         raise TypeError(f"expected a mapping {{position: factor}}, got {value!r}")
-    # an empty mapping parses: jsonargparse would otherwise read `{}` on the command line as a bare Callback and drop
-    # the scheduler; its constructor refuses it, with a message naming `scheduling`
+    # an empty mapping parses: refused here, `--trainer.callbacks.scheduling={}` would make jsonargparse fall back to
+    # a bare Callback (it skips an unknown key whose value is an empty mapping) and drop the scheduler. Its constructor
+    # refuses it, naming `scheduling`: with a traceback under plain LightningCLI, which lets a constructor's error
+    # through, and as a parse error under AccumulationArgumentParser
     checked = {}
     for key, factor in value.items():
         try:

@@ -32,6 +32,7 @@ class Event(str, Enum):
     ========================  =========================================  =============================================
     ``SETUP``                 ``setup("fit")``                           ``trainer``, ``module``: check, refuse early
     ``FIT_START``             ``on_train_start``                         the run's sizes, ``factor`` of the first window
+    ``EPOCH_STARTED``         ``on_train_epoch_start``                   ``run.epoch``: a new epoch begins
     ``WINDOW_OPENING``        ``on_train_batch_start`` at a boundary     ``factor``: the schedule's; may be raised
     ``WINDOW_OPENED``         the same, once the window is open          ``window``, ``factor``; ``summary`` to add to
     ``MICRO_BATCH_STARTED``   ``on_train_batch_start``                   ``batch``
@@ -47,6 +48,7 @@ class Event(str, Enum):
 
     SETUP = "setup"
     FIT_START = "fit_start"
+    EPOCH_STARTED = "epoch_started"
     WINDOW_OPENING = "window_opening"
     WINDOW_OPENED = "window_opened"
     MICRO_BATCH_STARTED = "micro_batch_started"
@@ -72,6 +74,101 @@ def _local_broadcast(obj: Any) -> Any:
     return obj
 
 
+@dataclass(frozen=True)
+class DataParallel:
+    """How the model's gradients travel between ranks, as the Trainer's strategy set it up (read at ``FIT_START``).
+
+    Attributes:
+        wrapper: What reduces the gradients: ``"none"`` (one process, or a strategy with no gradient communication of
+            its own), ``"ddp"`` (``DistributedDataParallel``), ``"fsdp1"`` (``FullyShardedDataParallel``) or
+            ``"fsdp2"`` (modules with ``fully_shard`` applied).
+        strategy: The strategy's class name, for messages.
+        gradient_sync: The policy of an :class:`~lightning_accum.AccumulationStrategyMixin` strategy (``"last"``,
+            ``"every"``, ``"reduce_scatter"``); ``None`` under a stock strategy.
+        static_graph: Whether DDP was built with ``static_graph=True``.
+        shards_parameters: Whether the strategy shards parameters (FSDP, ``ModelParallelStrategy``): a gradient hook
+            then sees a shard, not a micro-batch's gradient.
+    """
+
+    wrapper: str = "none"
+    strategy: str = ""
+    gradient_sync: str | None = None
+    static_graph: bool = False
+    shards_parameters: bool = False
+
+
+class Run:
+    """What the Trainer knows, read-only, and the few actions a feature may ask of the coordinator.
+
+    Features never hold the Trainer: the coordinator hands them a view of it (``lightning_accum._run.TrainerRun``) as
+    ``Context.run``. This base class describes a run without one (one process, no logger, no progress bar, full
+    precision), which a feature's own tests use; its actions do nothing.
+
+    Example::
+
+        >>> run = Run()
+        >>> run.epoch, run.loggers, run.loss_scale()
+        (0, [], None)
+    """
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (``trainer.current_epoch``)."""
+        return 0
+
+    @property
+    def batches_per_epoch(self) -> float:
+        """The train dataloader's batches per epoch (``inf`` when unknown)."""
+        return float("inf")
+
+    @property
+    def max_steps(self) -> int:
+        """``Trainer(max_steps)``; ``-1`` without a limit."""
+        return -1
+
+    @property
+    def log_every_n_steps(self) -> int:
+        """``Trainer(log_every_n_steps)``."""
+        return 1
+
+    @property
+    def loggers(self) -> list[Any]:
+        """The Trainer's loggers (the same on every rank; each writes on rank zero only)."""
+        return []
+
+    @property
+    def has_progress_bar(self) -> bool:
+        """Whether the Trainer shows one of Lightning's train progress bars (TQDM or Rich)."""
+        return False
+
+    @property
+    def data_parallel(self) -> DataParallel:
+        """How gradients travel between ranks."""
+        return DataParallel()
+
+    def loss_scale(self) -> float | None:
+        """The float16 AMP loss scale in effect (``GradScaler.get_scale()``), or ``None`` without loss scaling."""
+        return None
+
+    def set_progress_total(self, total: int) -> None:
+        """Make the train progress bar count ``total`` batches this epoch (kept when the bar resets at its start)."""
+
+    def show_in_progress_bar(self, values: dict[str, Any]) -> None:
+        """Show ``values`` beside the train progress bar's count."""
+
+    def reduce_gradients_elsewhere(self, elsewhere: bool) -> None:
+        """Turn DDP's own gradient reduction off for whole windows (``elsewhere``), or give it back.
+
+        Only under an :class:`~lightning_accum.AccumulationStrategyMixin` strategy wrapping the model in DDP.
+        """
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the data-parallel ranks, in place (DDP's process group)."""
+
+    def release(self) -> None:
+        """Undo what the actions left in place for the fit (at its end)."""
+
+
 @dataclass(eq=False)
 class Context:
     """What the callback knows at an event, and what features publish for the features after them.
@@ -82,15 +179,15 @@ class Context:
     Attributes:
         world_size: Number of ranks.
         is_global_zero: Whether this is rank zero.
-        micro_batch_size: Samples per micro-batch on one rank, the same on every rank (rank zero's, broadcast), or
-            ``None`` when unknown.
+        micro_batch_size: Samples per micro-batch on one rank, the same on every rank (all-gathered and checked at
+            ``FIT_START``), or ``None`` when unknown.
         splitting: Whether each loader batch is split into micro-batches (``micro_batch_size`` below the loader's):
             then a window of one loader batch still runs several backwards. Set at ``FIT_START``.
         reduce: ``reduce(tensor, "sum" | "mean")`` over ranks (the strategy's).
         broadcast: ``broadcast(obj)`` from rank zero to every rank (the strategy's).
         module: The LightningModule (any ``nn.Module`` in a test).
         optimizers: The optimizers, from ``FIT_START``.
-        trainer: The Trainer, for glue that needs more than the above; ``None`` in a test.
+        run: What the Trainer knows, read-only, and the actions a feature may ask for (:class:`Run`).
         schedule: The run's schedule, from ``FIT_START``.
         optimizer_steps: Optimizer steps taken (``trainer.global_step``), current at window events.
         samples_seen: Samples consumed by all ranks together (``micro_batch_size x world_size`` per micro-step).
@@ -100,12 +197,12 @@ class Context:
         factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
         factor_floor: Published at ``WINDOW_OPENING`` by adaptive growth: the smallest factor from now on.
         batch: The micro-batch in progress.
-        batch_idx: Its index in the epoch (the loop's own).
+        batch_idx: The index in the epoch of the loader batch in progress (the loop's own).
         loss: At ``BEFORE_BACKWARD`` the tensor backward runs on (the micro-batch's loss divided by
-            ``loss_divisor``; a feature may re-weigh it in place); at ``MICRO_BATCH_ENDED`` the loss
-            ``training_step`` returned, divided by the window's size, or ``None``.
-        loss_divisor: What the micro-batch's mean loss is divided by in its backward: the window's size, or what a
-            feature re-weighed it to.
+            ``loss_divisor``, times the AMP loss scale; a feature may re-weigh it in place); at
+            ``MICRO_BATCH_ENDED`` the loss ``training_step`` returned, divided by the window's size, or ``None``.
+        loss_divisor: What the micro-batch's mean loss is divided by in its backward: the window's size (over the
+            micro-batch's share of a split loader batch), or what a feature re-weighed it to.
         optimizer: The optimizer about to step (``WINDOW_CLOSING``, ``GRADIENT_READY``).
         gradient_scale: At ``WINDOW_CLOSING``: what turns the accumulated gradient into the window's mean. The
             callback sets the correction for a window cut short; a feature that weighs micro-batches otherwise
@@ -113,12 +210,12 @@ class Context:
         items: Published at ``MICRO_BATCH_STARTED`` by item weighting: the micro-batch's samples or tokens on this
             rank (``None`` when every micro-batch weighs the same).
         window_items: Published at ``WINDOW_CLOSING`` by item weighting: the window's items on all ranks.
-        noise_scale: Published at ``GRADIENT_READY`` by the noise scale (:meth:`publish_noise`): the current
-            estimate, or ``None``; computed when first read.
-        noise_batch: Published with it: ``(items in the window on all ranks, micro-batches in the window)`` of the
-            latest measured step, in the estimate's unit.
-        step_logged: Published at ``WINDOW_OPENED`` by the metrics: whether the window's optimizer step is logged. A
-            feature whose metrics cost work (a transfer from the device) adds them only then.
+        noise_scale: Published by the noise scale at ``FIT_START`` and at each measured window's
+            ``GRADIENT_READY``: the current estimate, or ``None``.
+        noise_batch: Published with it: ``(items in the window on all ranks, micro-steps in the window)`` of the
+            latest measured window, in the estimate's unit.
+        log_every: Published at ``FIT_START`` by the metrics: the optimizer steps between two logged steps, the same
+            on every rank (``0``: nothing is logged).
         metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step.
         summary: Cleared before ``FIT_START`` and ``WINDOW_OPENED``; a feature adds a phrase for the run's summary
             (at ``FIT_START``) or for what changed with this window (at ``WINDOW_OPENED``).
@@ -132,7 +229,7 @@ class Context:
     broadcast: Callable[[Any], Any] = _local_broadcast
     module: Any = None
     optimizers: list[Any] = field(default_factory=list)
-    trainer: Any = None
+    run: Run = field(default_factory=Run)
 
     optimizer_steps: int = 0
     samples_seen: int = 0
@@ -153,54 +250,17 @@ class Context:
 
     items: Any = None
     window_items: float | None = None
-    step_logged: bool = False
+    noise_scale: float | None = None
+    noise_batch: tuple[float, int] | None = None
+    log_every: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
-    _noise: tuple[float | None, tuple[float, int] | None] = field(default=(None, None), init=False, repr=False)
-    _noise_source: Callable[[], tuple[float | None, tuple[float, int] | None]] | None = field(
-        default=None, init=False, repr=False
-    )
-
-    @property
-    def noise_scale(self) -> float | None:  # noqa: D102 (the attributes above)
-        return self._published_noise()[0]
-
-    @noise_scale.setter
-    def noise_scale(self, value: float | None) -> None:
-        self._noise = (value, self._published_noise()[1])
-
-    @property
-    def noise_batch(self) -> tuple[float, int] | None:  # noqa: D102
-        return self._published_noise()[1]
-
-    @noise_batch.setter
-    def noise_batch(self, value: tuple[float, int] | None) -> None:
-        self._noise = (self._published_noise()[0], value)
-
-    def publish_noise(self, source: Callable[[], tuple[float | None, tuple[float, int] | None]]) -> None:
-        """Publish ``noise_scale`` and ``noise_batch`` as what ``source()`` returns when one of them is first read.
-
-        The estimate is then worked out (its squared norms moved to the host) only on the steps something reads it.
-        """
-        self._noise_source = source
-
-    def _published_noise(self) -> tuple[float | None, tuple[float, int] | None]:
-        source = self._noise_source
-        if source is not None:
-            self._noise_source, self._noise = None, source()
-        return self._noise
-
-    def bind(self, trainer: Any, module: Any) -> None:
-        """Attach the run's Trainer and LightningModule (at ``setup``): ranks and collectives come from its strategy."""
-        self.trainer, self.module = trainer, module
-        self.world_size, self.is_global_zero = trainer.world_size, trainer.is_global_zero
-        self.reduce = lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op)
-        self.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
 
     def release(self) -> None:
         """Drop every reference to the Trainer, the model, the optimizers and the last micro-batch (after fit)."""
-        self.trainer = self.module = self.batch = self.loss = self.optimizer = None
-        self.optimizers = []
+        self.run.release()
+        self.module = self.batch = self.loss = self.optimizer = None
+        self.optimizers, self.run = [], Run()
         self.reduce, self.broadcast = _local_reduce, _local_broadcast
 
     def effective_batch(self, micro_batches: int) -> int:
@@ -262,6 +322,9 @@ class Feature:
     def fit_start(self, ctx: Context) -> None:
         """``FIT_START``: the run's sizes are known."""
 
+    def epoch_started(self, ctx: Context) -> None:
+        """``EPOCH_STARTED``: an epoch begins at its first batch (not for an epoch resumed in its middle)."""
+
     def window_opening(self, ctx: Context) -> None:
         """``WINDOW_OPENING``: a window is about to open with ``ctx.factor``, which a feature may raise."""
 
@@ -300,24 +363,11 @@ class Feature:
         """
         return {}
 
-    def window_state(self) -> dict[str, Any] | Callable[[], dict[str, Any]]:
-        """:meth:`state_dict` as a window closes, kept for a checkpoint written inside the next window.
-
-        A feature whose state costs work to read (a transfer from the device) returns a function instead, which
-        returns the state as it was at this call; it is called only if such a checkpoint is written.
-        """
-        return self.state_dict()
-
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (read with defaults, so older checkpoints load)."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Amend the whole checkpoint being written (Lightning's dict), e.g. to keep a transient change out of it."""
-
-
-def resolve(states: Mapping[str, Any]) -> dict[str, Any]:
-    """``states`` with each function among its values (a :meth:`~Feature.window_state`) replaced by what it returns."""
-    return {name: state() if callable(state) else state for name, state in states.items()}
 
 
 _EVERY_FEATURE = (Event.SETUP, Event.FIT_START, Event.FIT_END)  # events no feature is ever left out of
@@ -368,10 +418,6 @@ class Features(Mapping[str, Feature]):
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """Every feature's state under its name."""
         return {name: feature.state_dict() for name, feature in self._features.items()}
-
-    def window_states(self) -> dict[str, dict[str, Any] | Callable[[], dict[str, Any]]]:
-        """Every feature's :meth:`~Feature.window_state` under its name: :func:`resolve` makes it a state."""
-        return {name: feature.window_state() for name, feature in self._features.items()}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Let every feature amend the checkpoint being written."""

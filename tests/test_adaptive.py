@@ -85,7 +85,13 @@ def test_adaptive_compares_the_noise_scale_with_the_batch_in_the_same_unit():
 
     x, y = make_data(2048, seed=3)
     callback = AccumulationScheduler(
-        {0: 2}, normalize_by="sample", noise_scale=True, adaptive=True, adaptive_interval=5, adaptive_patience=3
+        {0: 2},
+        normalize_by="sample",
+        noise_scale=True,
+        noise_scale_interval=1,
+        adaptive=True,
+        adaptive_interval=5,
+        adaptive_patience=3,
     )
     trainer([callback], max_epochs=2).fit(RegressionModule(lr=0.0), DataLoader(BatchStream(x, y, 8), batch_size=None))
     assert callback.features["adaptive"].factor == 0  # never grew: 10.7 < 2 x 16

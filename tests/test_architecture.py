@@ -1,7 +1,8 @@
 """The structure docs/architecture.md describes, checked against the code.
 
-A coordinator with a few attributes of its own; features that never import each other; pure modules without
-Lightning; no import cycles; the documented table of which feature handles which event; old checkpoints load.
+A coordinator with a few attributes of its own, that reads on one screen; features that never import each other and
+never touch the Trainer; pure modules without Lightning; no import cycles; the documented table of which feature
+handles which event.
 """
 
 from __future__ import annotations
@@ -63,6 +64,40 @@ def imports(path: Path) -> set[str]:
 
 
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+# what a feature may not reach: the Trainer and its loops, strategies, connectors and state
+TRAINER_INTERNALS = ("lightning.pytorch.trainer", "lightning.pytorch.loops", "lightning.pytorch.strategies")
+
+
+def test_no_feature_reads_the_trainer_or_imports_its_internals():
+    """Features see the run through ``Context.run`` (a read-only view, and the actions they may ask for)."""
+    features = [path for name, path in MODULES.items() if name.startswith("lightning_accum.features.")]
+    for path in features:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                assert node.attr != "trainer", f"{path.name}:{node.lineno} reads `.trainer`"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                for name in names:
+                    assert not name.startswith(TRAINER_INTERNALS), f"{path.name}:{node.lineno} imports {name}"
+                    assert (
+                        name.split(".")[0] != "lightning_accum"
+                        or name.startswith(("lightning_accum.events", "lightning_accum.features"))
+                        or name in {f"lightning_accum.{pure}" for pure in PURE}
+                    ), f"{path.name} imports {name}"
+
+
+def test_the_core_reads_on_one_screen():
+    """The noise scale in at most 300 lines, the coordinator's class in at most 350 and its module in 450."""
+    callback = MODULES["lightning_accum.callback"]
+    (scheduler,) = [
+        node for node in ast.parse(callback.read_text()).body if getattr(node, "name", "") == "AccumulationScheduler"
+    ]
+    assert scheduler.end_lineno - scheduler.lineno + 1 <= 350
+    assert len(callback.read_text().splitlines()) <= 450
+    assert len(MODULES["lightning_accum.features.noise_scale"].read_text().splitlines()) <= 300
 
 
 def test_no_feature_module_imports_another():
@@ -130,7 +165,13 @@ def test_every_state_is_new_containers_of_plain_values():
     from tests.helpers import RegressionModule, loader, make_data, trainer
 
     callback = AccumulationScheduler(
-        {0: 2}, normalize_by="sample", noise_scale=True, adaptive=True, adaptive_interval=1, lr_scaling="sqrt"
+        {0: 2},
+        normalize_by="sample",
+        noise_scale=True,
+        noise_scale_interval=1,
+        adaptive=True,
+        adaptive_interval=1,
+        lr_scaling="sqrt",
     )
     x, y = make_data(32)
     trainer([callback], max_epochs=2).fit(RegressionModule(), loader(x, y, 4))
@@ -149,24 +190,6 @@ def test_every_state_is_new_containers_of_plain_values():
             assert a is None or type(a) in (bool, int, float, str), f"{where}: {type(a).__name__}"
 
     walk(first, second, "state")
-
-
-def test_a_checkpoint_written_before_the_features_had_their_own_entries_loads():
-    old = {
-        "samples_seen": 96,
-        "micro_steps": 24,
-        "window": {"size": 4, "taken": 4, "closed": True},
-        "lr_warmup": {"start": 1.0, "target": 2.0, "since": 3},
-        "base_batch_size": 16.0,
-        "adaptive": {"factor": 8, "checked_at": 20, "votes": 1},
-    }
-    callback = AccumulationScheduler({0: 2}, noise_scale=True, adaptive=True, lr_scaling="linear")
-    callback.load_state_dict(old)
-    state = callback.state_dict()
-    assert state["samples_seen"] == 96
-    assert state["lr_scaling"] == {"warmup": {"start": 1.0, "target": 2.0, "since": 3}, "base_batch_size": 16.0}
-    assert state["adaptive"]["factor"] == 8
-    assert state["adaptive"]["votes"] == 1
 
 
 def test_the_documented_event_table_is_what_each_feature_handles():

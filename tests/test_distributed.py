@@ -150,6 +150,79 @@ def test_the_noise_scale_squares_each_ranks_own_micro_batch_gradients_whatever_t
     assert every["noise_grad_sq"] == pytest.approx(last["noise_grad_sq"], rel=1e-5)
 
 
+def rank_micro_batches(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[list[int]]]:
+    """``[micro-step][rank]``: the samples of each rank's micro-batch, in the order Lightning feeds them."""
+    orders = []
+    for rank in (0, 1):
+        sampler = DistributedSampler(range(num_samples), num_replicas=2, rank=rank, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        orders.append(list(sampler))
+    return [
+        [orders[rank][j * MICRO_BATCH : (j + 1) * MICRO_BATCH] for rank in (0, 1)] for j in range(MICRO_STEPS_PER_EPOCH)
+    ]
+
+
+def reference_noise_sums(windows: list[int], normalize_by: str, num_samples: int) -> list[tuple[float, float]]:
+    """Plain PyTorch on one process: for each window, the mean squared norm of every micro-batch gradient of both
+    ranks (each of its micro-batch's mean loss; those without items left out) and the squared norm of the window's
+    gradient (the mean of the micro-batch means, or the mean over every item); then one SGD step on it."""
+    x, y = make_data(num_samples)
+    tokens = make_tokens(NUM_SAMPLES) if normalize_by == "token" else None
+    net = make_net()
+    params = list(net.parameters())
+    optimizer = torch.optim.SGD(params, lr=LR)
+    sums, position = [], 0
+    for size in windows:
+        epoch, first = divmod(position, MICRO_STEPS_PER_EPOCH)
+        position += size
+        micro: list[tuple[list[torch.Tensor], float]] = []
+        for ranks in rank_micro_batches(epoch, num_samples)[first : first + size]:
+            for index in map(torch.tensor, ranks):
+                if tokens is None:
+                    loss, items = nn.functional.mse_loss(net(x[index]), y[index]), float(len(index))
+                else:
+                    labels = tokens["labels"][index]
+                    loss, items = token_loss(net, tokens["features"][index], labels), float((labels != -100).sum())
+                micro.append(([g.detach() for g in torch.autograd.grad(loss, params)], items))
+        weights = [1.0 if normalize_by == "micro_batch" else items for _, items in micro]
+        step = [
+            sum(g[i] * w for (g, _), w in zip(micro, weights, strict=True)) / sum(weights) for i in range(len(params))
+        ]
+        small = [sum(g.pow(2).sum() for g in grads).item() for grads, items in micro if items > 0]
+        sums.append((sum(small) / len(small), sum(g.pow(2).sum() for g in step).item()))
+        for param, grad in zip(params, step, strict=True):
+            param.grad = grad
+        optimizer.step()
+    return sums
+
+
+@pytest.mark.parametrize(
+    ("name", "normalize_by", "num_samples"),
+    [
+        ("noise_sums_k3", "micro_batch", 64),
+        ("noise_sums_sample_ragged", "sample", 60),
+        ("noise_sums_token", "token", 64),
+    ],
+)
+def test_every_measured_windows_two_sums_are_plain_pytorchs_over_both_ranks(ddp, name, normalize_by, num_samples):
+    """Each rank squares its own micro-batch gradients (they differ from the other rank's: the ranks disagree on
+    purpose); one all-reduce adds them up, so both ranks measure the same window, equal to plain PyTorch's."""
+    rank0, rank1 = _records(ddp, name)
+    assert rank0["measurements"] == rank1["measurements"]
+    expected = reference_noise_sums(WINDOWS["last_k3"], normalize_by, num_samples)
+    assert sorted(map(int, rank0["measurements"])) == [2, 4, 6]  # every other window
+    for step, (small, big) in rank0["measurements"].items():
+        assert small == pytest.approx(expected[int(step) - 1][0], rel=1e-6), step
+        assert big == pytest.approx(expected[int(step) - 1][1], rel=1e-6), step
+    assert rank0["noise_scale"] == rank1["noise_scale"]
+
+
+def test_every_gradient_a_callback_keeps_under_ddp_still_holds_its_steps_values(ddp):
+    for record in _records(ddp, "noise_sums_k3"):
+        assert record["kept_gradients"] == 6 * 4  # 6 steps of the net's 4 parameters
+        assert record["kept_gradients_overwritten"] == 0
+
+
 def test_adaptive_growth_is_decided_once_for_every_rank(ddp):
     rank0, rank1 = _records(ddp, "adaptive_k2")
     assert rank0["adaptive_factor"] >= 4  # it grew from 2

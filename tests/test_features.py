@@ -14,9 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.events import Context, Event, Feature, Features, Run
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
-from lightning_accum.features import noise_scale as noise_scale_module
 from lightning_accum.window import Window
 from tests.helpers import make_data, make_net, make_tokens, token_loss
 
@@ -211,7 +210,7 @@ def test_noise_scale_matches_the_unbiased_estimators_computed_directly():
     net = make_net()
     batches = [(x[i : i + 6], y[i : i + 6]) for i in range(0, 24, 6)]
     ctx = Context()
-    drive(Features([NoiseScale(decay=0.0)]), ctx, net, batches, mse)
+    drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse)
     # plain PyTorch: each micro-batch's mean-loss gradient and the window's, then McCandlish et al.'s A.1
     reference = make_net()
     small = [torch.cat([g.flatten() for g in big_batch_grads(mse(reference, b), reference)]) for b in batches]
@@ -237,19 +236,10 @@ def _noise_scale_reference(net: nn.Module, batches: list[Any]) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("staging", [None, 200], ids=["staged", "staging-full"])
 @pytest.mark.parametrize("micro_batches", [3, 12], ids=["3-backwards", "12-backwards"])
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads-none", "grads-zeroed"])
-def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(
-    set_to_none, micro_batches, staging, dtype, monkeypatch
-):
-    # a weight of 256 x 128 is squared in its hook (LARGE), the small ones staged (or, when the staging vector holds
-    # only 200 elements, the second layer's 128-element weight squared in its hook too); the window's first backward
-    # is read from .grad when the gradients were set to None, from the hooks when they were zeroed; 12 backwards
-    # outgrow the sums' first buffer
-    assert 256 * 128 >= noise_scale_module.LARGE > 128
-    if staging is not None:
-        monkeypatch.setattr(noise_scale_module, "STAGING", staging)
+def test_noise_scale_from_large_and_small_tensors(set_to_none, micro_batches, dtype):
+    # a weight of 256 x 128 beside small ones; the window's gradients start from None or zeroed
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1)).to(dtype)
     x = torch.randn(16 * micro_batches, 256)
@@ -259,14 +249,14 @@ def test_noise_scale_from_hooks_and_from_grad_for_large_and_small_tensors(
     for param in net.parameters():
         param.grad = torch.ones_like(param)  # a previous window's, zeroed in place or set to None by drive
     ctx = Context()
-    drive(Features([NoiseScale(decay=0.0)]), ctx, net, batches, mse, set_to_none=set_to_none)
+    drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse, set_to_none=set_to_none)
     expected = _noise_scale_reference(net, batches)
     assert expected > 0
     assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
 
 
 def test_noise_scale_counts_a_parameter_without_a_gradient_as_zero():
-    """A head that only some micro-batches use: its place in the staging vector must not keep an earlier gradient."""
+    """A head that only some micro-batches use: its gradient in the others is zero, not an earlier one's."""
     torch.manual_seed(0)
     heads = nn.ModuleList([nn.Linear(5, 1), nn.Linear(5, 1)])
 
@@ -277,7 +267,7 @@ def test_noise_scale_counts_a_parameter_without_a_gradient_as_zero():
     x, y = make_data(32, seed=4)
     batches = [(x[i : i + 8], y[i : i + 8], head) for i, head in zip(range(0, 32, 8), (0, 1, 1, 0), strict=True)]
     ctx = Context()
-    drive(Features([NoiseScale(decay=0.0)]), ctx, heads, batches, loss_fn)
+    drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, heads, batches, loss_fn)
 
     def flat_grad(loss: torch.Tensor) -> torch.Tensor:
         params = list(heads.parameters())
@@ -313,30 +303,40 @@ class SharedTwice(nn.Module):
         return self.head(x)
 
 
-@pytest.mark.parametrize("case", ["reentrant-checkpointing", "create-graph"])
-def test_noise_scale_under_reentrant_checkpointing_of_a_shared_layer_and_create_graph(case):
-    """Reentrant checkpointing of a layer used twice fires its hooks once per use, each with a part of the micro-batch's
-    gradient; a backward with ``create_graph=True`` (second-order optimizers) hands them gradients that require grad."""
+def test_noise_scale_under_create_graph():
+    """A backward with ``create_graph=True`` (second-order optimizers) hands the hooks gradients that require grad."""
     x, y = make_data(128, seed=7)
     batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 128, 32)]
     ctx = Context()
-    net = SharedTwice(checkpointed=case == "reentrant-checkpointing")
-    # gradients zeroed, not set to None: every backward goes through the hooks
-    drive(Features([NoiseScale(decay=0.0)]), ctx, net, batches, mse, False, create_graph=case == "create-graph")
+    net = SharedTwice(checkpointed=False)
+    drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse, False, create_graph=True)
     expected = _noise_scale_reference(SharedTwice(checkpointed=False), batches)
     assert expected > 0
     assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
 
 
-def test_noise_scale_leaves_autograd_the_gradients_it_computed_and_adds_later_small_ones_in_place():
-    """A large gradient is squared in its hook and not kept, so autograd keeps the tensor it computed as ``.grad``
-    instead of copying it (as it must for a gradient something else still holds). A small one is created by autograd
-    where ``.grad`` is None (the window's first backward, as without the estimate), and after that added in place into
-    a row of its own for each backward, so no small gradient outlives its addition (holding one across backward's
-    large allocations makes glibc page-fault)."""
+def test_noise_scale_skips_a_window_whose_gradients_come_in_parts_under_reentrant_checkpointing():
+    """Reentrant checkpointing of a layer used twice hands each use's part of the layer's gradient to its hook on
+    its own: the squared parts are not the squared gradient, so the window is not measured, with a warning."""
+    x, y = make_data(128, seed=7)
+    batches = [(x[i : i + 32], y[i : i + 32]) for i in range(0, 128, 32)]
+    ctx = Context()
+    net = SharedTwice(checkpointed=True)
+    with pytest.warns(UserWarning, match="use_reentrant=False"):
+        drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse, False)
+    assert ctx.noise_scale is None
+    plain = SharedTwice(checkpointed=False)
+    drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, plain, batches, mse, False)
+    for a, b in zip(net.parameters(), plain.parameters(), strict=True):  # the gradients are autograd's, untouched
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_noise_scale_leaves_autograd_the_gradients_it_computes():
+    """On a measured window every ``.grad`` is the tensor autograd made (created, or added into in place): the hooks
+    read each micro-batch's gradient and keep nothing, so autograd never has to copy one."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1))  # 256 x 128 weights: LARGE
-    features, ctx = Features([NoiseScale()]), Context(module=net)
+    net = nn.Sequential(nn.Linear(256, 128), nn.Tanh(), nn.Linear(128, 1))
+    features, ctx = Features([NoiseScale(interval=1)]), Context(module=net)
     ctx.window.open(3)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     computed: dict[int, int] = {}
@@ -347,25 +347,21 @@ def test_noise_scale_leaves_autograd_the_gradients_it_computed_and_adds_later_sm
     for param in net.parameters():  # registered after the feature's hooks: sees the gradient they saw
         param.register_hook(observer(id(param)))
     x, y = torch.randn(4, 256), torch.randn(4, 1)
-    large, *small = net.parameters()
-    rows = []
+    first: list[int] = []
     for index in range(3):
         ctx.window.take(ends_epoch=False)
         ctx.batch, ctx.loss_divisor = (x, y), 3.0
         features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
         features.dispatch(Event.BEFORE_BACKWARD, ctx)
-        if index == 0:
-            assert all(param.grad is None for param in small)  # autograd creates them, as without the estimate
-        else:
-            rows.append([param.grad.data_ptr() for param in small])  # where the backward adds the small gradients
         (mse(net, (x, y)) / 3).backward()
-        if index == 0:
-            assert [param.grad.data_ptr() for param in small] == [computed[id(param)] for param in small]
-        else:
-            assert [param.grad.data_ptr() for param in small] == rows[-1]
-        assert large.grad.data_ptr() == computed[id(large)] or index > 0  # later backwards add in place
         features.dispatch(Event.AFTER_BACKWARD, ctx)
-    assert rows[0] != rows[1]  # a row of its own per backward
+        if index == 0:  # autograd took the tensor it computed as .grad (it would copy one something still held)
+            first = [param.grad.data_ptr() for param in net.parameters()]
+            assert first == [computed[id(param)] for param in net.parameters()]
+        else:  # and added the later ones into it in place
+            assert [param.grad.data_ptr() for param in net.parameters()] == first
+    features.dispatch(Event.GRADIENT_READY, ctx)
+    assert ctx.noise_scale is not None
 
 
 def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publishes():
@@ -373,27 +369,48 @@ def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publish
     sizes = [(0, 2), (2, 9), (9, 12)]
     batches = [(x[a:b], y[a:b]) for a, b in sizes]
     weighted, plain = Context(), Context()
-    drive(Features([ItemWeighting("sample"), NoiseScale(decay=0.0)]), weighted, make_net(), batches, mse)
+    drive(Features([ItemWeighting("sample"), NoiseScale(decay=0.0, interval=1)]), weighted, make_net(), batches, mse)
     assert weighted.noise_batch == (12.0, 3)  # the window's samples, as item weighting counted them
-    drive(Features([NoiseScale(decay=0.0)]), plain, make_net(), batches, mse)
+    drive(Features([NoiseScale(decay=0.0, interval=1)]), plain, make_net(), batches, mse)
     assert plain.noise_batch is not None
     assert plain.noise_batch[0] != pytest.approx(12.0)  # micro-batch means: n / mean(1 / b_i)
 
 
-@pytest.mark.parametrize(
-    ("large", "world_size", "hooked"),
-    [(False, 1, False), (False, 2, True), (True, 1, False)],
-    ids=["small-one-process", "small-two-ranks", "large-one-process"],
-)
-def test_noise_scale_hooks_are_removed_at_fit_end(large, world_size, hooked):
-    """Large parameters get a hook; small ones only where a backward may reduce them across ranks."""
-    net = nn.Sequential(nn.Linear(256 if large else 16, 128), nn.Linear(128, 1))  # 256 x 128: LARGE
-    feature = NoiseScale()
-    ctx = Context(module=net, world_size=world_size)
-    ctx.window.open(2)
-    feature.window_opened(ctx)
-    assert [bool(param._backward_hooks) for param in net.parameters()] == [large or hooked, hooked, hooked, hooked]
-    feature.fit_end(ctx)
+@pytest.mark.parametrize(("interval", "log_every"), [(1, 0), (3, 0), (4, 6), (10, 0)])
+def test_noise_scale_measures_every_interval_th_window_and_the_logged_ones_with_hooks_only_then(interval, log_every):
+    """Hooks on the trainable parameters for the windows measured, none on the others nor after the fit; the steps
+    measured are the multiples of ``interval`` and of the logging interval."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 1))
+    net[1].bias.requires_grad_(False)
+    noise = NoiseScale(decay=0.0, interval=interval)
+    features, ctx = Features([noise]), Context(module=net, log_every=log_every)
+    x, y = make_data(48, seed=1)
+    x = torch.cat([x, x, x, x[:, :1]], dim=1)  # 16 features
+    measured = []
+    for step in range(12):
+        ctx.optimizer_steps = step
+        ctx.window = Window()
+        ctx.window.open(2)
+        features.dispatch(Event.WINDOW_OPENED, ctx)
+        hooked = [bool(param._backward_hooks) for param in net.parameters()]
+        assert hooked == ([True, True, True, False] if noise._hooks else [False] * 4)
+        net.zero_grad(set_to_none=True)
+        for part in (slice(4 * step, 4 * step + 2), slice(4 * step + 2, 4 * step + 4)):
+            ctx.window.take(ends_epoch=False)
+            ctx.batch, ctx.loss_divisor = (x[part], y[part]), 2.0
+            features.dispatch(Event.BEFORE_BACKWARD, ctx)
+            (mse(net, ctx.batch) / 2).backward()
+            features.dispatch(Event.AFTER_BACKWARD, ctx)
+        noise.measurement = None
+        features.dispatch(Event.GRADIENT_READY, ctx)
+        if noise.measurement is not None:
+            measured.append(step + 1)
+        assert not any(param._backward_hooks for param in net.parameters())  # removed at the step
+    expected = [s for s in range(1, 13) if s % interval == 0 or (log_every and s % log_every == 0)]
+    assert measured == expected
+    features.dispatch(Event.WINDOW_OPENED, ctx)
+    features.dispatch(Event.FIT_END, ctx)
     assert not any(param._backward_hooks for param in net.parameters())
 
 
@@ -481,22 +498,26 @@ class ListLogger:
         self.logged.append((metrics, step))
 
 
-class LoggingTrainer:
+class LoggingRun(Run):
     def __init__(self) -> None:
-        self.loggers = [ListLogger()]
+        self._loggers = [ListLogger()]
+
+    @property
+    def loggers(self) -> list[Any]:
+        return self._loggers
 
 
 def test_metrics_logs_its_own_values_and_every_other_features_in_one_call():
-    trainer = LoggingTrainer()
+    run = LoggingRun()
     x, y = make_data(8)
     net = make_net()
     features = Features([ItemWeighting("sample"), Metrics()])
-    ctx = Context(micro_batch_size=4, trainer=trainer, module=net)
+    ctx = Context(micro_batch_size=4, run=run, module=net, log_every=1)
     batches = [(x[:3], y[:3]), (x[3:8], y[3:8])]
     drive(features, ctx, net, batches, mse)
     ctx.optimizer_steps, ctx.metrics = 1, {}
     features.dispatch(Event.WINDOW_CLOSED, ctx)
-    ((metrics, step),) = trainer.loggers[0].logged
+    ((metrics, step),) = run.loggers[0].logged
     assert step == 1
     assert metrics["accum/window_samples"] == 8.0
     expected_loss = mse(net, (x, y)).item()  # the mean over the window's 8 samples, not of the two means
@@ -506,6 +527,6 @@ def test_metrics_logs_its_own_values_and_every_other_features_in_one_call():
 
 
 def test_metrics_logs_nothing_on_other_ranks():
-    trainer = LoggingTrainer()
-    Metrics().window_closed(Context(is_global_zero=False, trainer=trainer, module=make_net()))
-    assert trainer.loggers[0].logged == []
+    run = LoggingRun()
+    Metrics().window_closed(Context(is_global_zero=False, run=run, module=make_net(), log_every=1))
+    assert run.loggers[0].logged == []

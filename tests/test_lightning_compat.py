@@ -1316,8 +1316,12 @@ class BarSpy(Callback):
     """Reads the TQDM train bar after it updated (it must come after the bar in the callbacks)."""
 
     def __init__(self) -> None:
+        self.epoch_starts: list[int] = []
         self.epoch_ends: list[tuple[int, int]] = []
         self.overruns: list[tuple[int, int, int]] = []
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:  # after the bar reset itself
+        self.epoch_starts.append(trainer.progress_bar_callback.train_progress_bar.total)  # type: ignore[union-attr]
 
     def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
         bar = trainer.progress_bar_callback.train_progress_bar  # type: ignore[union-attr]
@@ -1333,7 +1337,7 @@ class BarSpy(Callback):
 # (with accumulation). Lightning sizes the train bar as the epoch's batches, or without max_epochs as
 # min(batches, max_steps - global_step), counting optimizer steps as batches: under accumulation the bar overran or
 # stopped short. The project's decision: every epoch's train bar ends at exactly 100% and never overruns.
-@pytest.mark.parametrize(
+BAR_CASES = pytest.mark.parametrize(
     ("arguments", "samples", "batch_size", "trainer_kwargs", "batches_per_epoch"),
     [
         # ramped global batch (2 -> 4 -> 6 samples over 12 samples): windows 1,1,1,2,2,3 then 3,3,3,1
@@ -1352,6 +1356,9 @@ class BarSpy(Callback):
         (dict(scheduling={0: 4}), 40, 4, dict(max_epochs=5, max_steps=5), [10, 8]),
     ],
 )
+
+
+@BAR_CASES
 def test_tqdm_progress_bar_ends_at_100_percent(
     tmp_path, arguments, samples, batch_size, trainer_kwargs, batches_per_epoch
 ):
@@ -1366,6 +1373,24 @@ def test_tqdm_progress_bar_ends_at_100_percent(
     fit_trainer.fit(RegressionModule(), loader(x, y, batch_size))
     assert spy.overruns == []
     assert spy.epoch_ends == [(n, n) for n in batches_per_epoch]
+
+
+@BAR_CASES
+def test_tqdm_progress_bar_counts_to_the_epochs_end_from_its_first_frame(
+    tmp_path, arguments, samples, batch_size, trainer_kwargs, batches_per_epoch
+):
+    """The bar resets its total at each epoch's start to Lightning's count (after this callback's hook): the total
+    it shows from then on, before the first batch, is already the one the epoch ends at."""
+    x, y = make_data(samples)
+    spy = BarSpy()
+    fit_trainer = trainer(
+        [AccumulationScheduler(**arguments), TQDMProgressBar(), spy],
+        default_root_dir=tmp_path,
+        enable_progress_bar=True,
+        **trainer_kwargs,
+    )
+    fit_trainer.fit(RegressionModule(), loader(x, y, batch_size))
+    assert spy.epoch_starts == batches_per_epoch
 
 
 # ==================== found in review: the seams the tests above did not reach

@@ -199,3 +199,28 @@ def test_a_checkpoint_keeps_the_loop_progress_and_loader_states_where_resume_poi
     data = ResumableLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     trainer([Record()], max_epochs=1).fit(RegressionModule(), data, ckpt_path=tmp_path / "rewound.ckpt")
     assert batches == [(2, x[8, 0].item()), (3, x[12, 0].item())]
+
+
+def test_the_tqdm_bar_resets_its_total_in_its_own_epoch_start_hook_which_runs_after_this_callbacks(tmp_path):
+    """lightning_accum/_run.py sizes the bar through its private ``_train_progress_bar`` and re-applies the size
+    after the bar's own ``on_train_epoch_start`` (wrapped on the instance), which sets Lightning's count."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    seen = []
+
+    class Before(Callback):  # a user's callback: listed before Lightning's default bar
+        def on_train_epoch_start(self, trainer, pl_module):
+            bar = trainer.progress_bar_callback
+            seen.append(("before", bar._train_progress_bar is not None))
+            bar.train_progress_bar.total = 1234
+
+    class After(Callback):
+        def on_train_epoch_start(self, trainer, pl_module):
+            seen.append(("after", trainer.progress_bar_callback.train_progress_bar.total))
+
+    x, y = make_data(16)
+    fit = trainer([Before()], max_epochs=1, enable_progress_bar=True, default_root_dir=tmp_path)
+    assert isinstance(fit.progress_bar_callback, TQDMProgressBar)
+    fit.callbacks.append(After())
+    fit.fit(RegressionModule(), loader(x, y, 4))
+    assert seen == [("before", True), ("after", 4)]  # the bar's reset replaced the value set before it

@@ -213,7 +213,12 @@ def test_the_features_see_each_micro_batch_as_a_micro_step():
     x, y = make_data(64)
     model = RegressionModule()
     callback = AccumulationScheduler(
-        {0: 2}, micro_batch_size=5, normalize_by="sample", noise_scale=True, grad_accum_dtype="float32"
+        {0: 2},
+        micro_batch_size=5,
+        normalize_by="sample",
+        noise_scale=True,
+        noise_scale_interval=1,
+        grad_accum_dtype="float32",
     )
     trainer([callback], max_epochs=1).fit(model, loader(x, y, 16))
     assert max_deviation(weights(model), sample_reference(x, y, 16, [[2, 2]])) <= TOLERANCE

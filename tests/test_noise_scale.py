@@ -1,4 +1,5 @@
-"""The gradient noise scale: the estimator's algebra, and the logged estimate against the exact B_simple."""
+"""The gradient noise scale: the estimator's algebra, the two sums of every measured window against plain PyTorch,
+the logged estimate against the exact B_simple, and ``.grad`` left as PyTorch defines it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_accum import AccumulationScheduler
 from lightning_accum.events import Context, Event, Features
 from lightning_accum.features import NoiseScale
-from lightning_accum.features import noise_scale as noise_scale_module
 from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.window import Window
 from tests import helpers
-from tests.helpers import RegressionModule, make_data, make_net, trainer
+from tests.helpers import DictDataset, RegressionModule, make_data, make_net, make_tokens, token_loss, trainer
 from tests.test_features import _noise_scale_reference
 
 
@@ -90,7 +90,9 @@ class RaggedBatches(torch.utils.data.IterableDataset):
 def test_the_noise_scale_is_unbiased_with_ragged_micro_batches(tmp_path):
     x, y = make_data(2048, seed=3)
     exact = exact_noise_scale(x, y)
-    callback = AccumulationScheduler({0: 4}, normalize_by="sample", noise_scale=True, noise_scale_decay=0.99)
+    callback = AccumulationScheduler(
+        {0: 4}, normalize_by="sample", noise_scale=True, noise_scale_decay=0.99, noise_scale_interval=1
+    )
     trainer([callback], max_epochs=4).fit(RegressionModule(lr=0.0), DataLoader(RaggedBatches(x, y), batch_size=None))
     assert callback.features["noise_scale"].estimate.noise_scale == pytest.approx(exact, rel=0.25)
 
@@ -157,7 +159,7 @@ def test_the_noise_scale_leaves_every_gradient_as_autograd_accumulates_it(zero_g
     modules = {}
     for noise in (False, True):
         modules[noise] = Probe(width)
-        callback = AccumulationScheduler({0: 3, 1: 4}, noise_scale=noise, noise_scale_decay=0.0)
+        callback = AccumulationScheduler({0: 3, 1: 4}, noise_scale=noise, noise_scale_decay=0.0, noise_scale_interval=1)
         trainer([callback], max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
     plain, noisy = modules[False], modules[True]
     assert len(plain.seen) == len(noisy.seen) == 24
@@ -186,7 +188,7 @@ def test_a_parameter_outside_the_optimizer_keeps_accumulating_across_windows_as_
     modules = {}
     for noise in (False, True):
         modules[noise] = Outside(512)
-        callback = AccumulationScheduler({0: 2, 1: 4}, noise_scale=noise, noise_scale_decay=0.0)
+        callback = AccumulationScheduler({0: 2, 1: 4}, noise_scale=noise, noise_scale_decay=0.0, noise_scale_interval=1)
         trainer([callback], max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
     plain, noisy = modules[False], modules[True]
     assert len(plain.seen) == len(noisy.seen) == 18  # 9 micro-batches per epoch: windows of 2 (4) and 1, 4 (2) and 1
@@ -201,8 +203,6 @@ def test_a_parameter_outside_the_optimizer_keeps_accumulating_across_windows_as_
         assert (a.grad is None) == (b.grad is None)
         assert a.grad is None or torch.equal(a.grad, b.grad)
     assert noisy.trainer.callbacks[0].features["noise_scale"].estimate.noise_scale is not None
-    kept = [param.grad for param in noisy.parameters() if param.grad is not None]
-    assert len({grad.untyped_storage().data_ptr() for grad in kept}) == len(kept)  # after the fit, none in the rows
 
 
 class BeforeTheScheduler(pl.Callback):
@@ -240,7 +240,8 @@ def test_a_callback_before_the_scheduler_that_changes_gradients_sees_and_leaves_
     for noise in (False, True):
         modules[noise] = SeesBeforeBackward(512)
         modules[noise].before = []
-        callbacks = [BeforeTheScheduler(change), AccumulationScheduler({0: 2, 1: 4}, noise_scale=noise)]
+        scheduler = AccumulationScheduler({0: 2, 1: 4}, noise_scale=noise, noise_scale_interval=1)
+        callbacks = [BeforeTheScheduler(change), scheduler]
         trainer(callbacks, max_epochs=2).fit(modules[noise], DataLoader(TensorDataset(x, y), batch_size=4))
     plain, noisy = modules[False], modules[True]
     for seen_plain, seen_noisy in [
@@ -253,31 +254,6 @@ def test_a_callback_before_the_scheduler_that_changes_gradients_sees_and_leaves_
     assert any(grads[0] is None for grads in plain.before)  # the window's first backward starts from None
     for a, b in zip(plain.parameters(), noisy.parameters(), strict=True):
         assert torch.equal(a, b)
-
-
-def test_the_rows_are_freed_when_a_fit_ends_before_a_windows_first_backward():
-    """An exception in a window's first ``training_step`` with gradients zeroed in place: ``.grad`` still points into
-    the previous window's row; after the fit each is a tensor of its own."""
-
-    class Fails(GradientProbe):
-        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
-            optimizer.zero_grad(set_to_none=False)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            if batch_idx == 4:
-                raise RuntimeError("boom")
-            return super().training_step(batch, batch_idx)
-
-    generator = torch.Generator().manual_seed(6)
-    x, y = torch.randn(24, 16, generator=generator), torch.randn(24, 1, generator=generator)
-    module = Fails(512)
-    with pytest.raises(RuntimeError, match="boom"):
-        trainer([AccumulationScheduler({0: 2}, noise_scale=True)], max_epochs=1).fit(
-            module, DataLoader(TensorDataset(x, y), batch_size=4)
-        )
-    kept = [param.grad for param in module.parameters() if param.grad is not None]
-    assert kept
-    assert len({grad.untyped_storage().data_ptr() for grad in kept}) == len(kept)
 
 
 def start_backward(features: Features, ctx: Context, batch: Any, loss_divisor: float) -> None:
@@ -294,7 +270,7 @@ def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
     x, y = make_data(12, seed=5)
     batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 12, 4)]
     net, reference = make_net(), make_net()
-    features, ctx = Features([NoiseScale()]), Context(module=net)
+    features, ctx = Features([NoiseScale(interval=1)]), Context(module=net)
     ctx.window.open(3)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     for index, (xb, yb) in enumerate(batches):
@@ -307,6 +283,7 @@ def test_a_backward_that_never_ends_leaves_the_gradients_as_autograd_would():
     features.dispatch(Event.FIT_END, ctx)
     for a, b in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
+    assert not any(param._backward_hooks for param in net.parameters())
 
 
 def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
@@ -316,7 +293,7 @@ def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
     x, y = make_data(16, seed=6)
     batches = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 16, 4)]
     net = make_net()
-    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    features, ctx = Features([NoiseScale(decay=0.0, interval=1)]), Context(module=net)
     ctx.window.open(4)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     start_backward(features, ctx, batches[0], 4.0)
@@ -350,20 +327,20 @@ def _window_noise_scale(net: nn.Module, batches: list[Any], mean: list[torch.Ten
     return (b * n * (s_small - s_big) / (n - 1)) / ((n * s_big - s_small) / (n - 1))
 
 
-@pytest.mark.parametrize("rows", [64, 6], ids=["differences-beside-the-mean", "no-room-beside-the-mean"])
-@pytest.mark.parametrize("replaced", [False, True], ids=["grad-in-the-rows", "grad-replaced-before-the-step"])
-def test_a_windows_last_differences_are_squared_with_its_mean_or_on_their_own(rows, replaced, monkeypatch):
-    """After a window's last backward, its differences wait in the rows after the one ``.grad`` points at and are
-    squared with the mean at the step. Where the rows have no room after it, or something replaced ``.grad`` before
-    the step, each is squared on its own; a window dropped between its last backward and its step leaves nothing."""
-    monkeypatch.setattr(noise_scale_module, "ROWS", rows)
+@pytest.mark.parametrize("replaced", [False, True], ids=["grad-as-accumulated", "grad-replaced-before-the-step"])
+def test_the_window_is_squared_as_the_optimizer_gets_it_and_a_window_dropped_after_its_backwards_leaves_nothing(
+    replaced,
+):
+    """The window's mean is read from ``.grad`` at the step, whatever another callback made of it before; a window
+    dropped between its last backward and its step (``micro_batch_size="auto"``) leaves nothing in the estimate."""
     x, _ = make_data(48, seed=7)
     y = x[:, :1] * 3.0 + 0.3 * torch.randn(48, 1, generator=torch.Generator().manual_seed(7))  # |G|^2 above the noise
     windows = [[(x[i : i + 4], y[i : i + 4]) for i in range(start, start + 16, 4)] for start in (0, 16, 32)]
     net = make_net()
-    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    noise = NoiseScale(decay=0.0, interval=1)
+    features, ctx = Features([noise]), Context(module=net)
     for index, batches in enumerate(windows):
-        net.zero_grad(set_to_none=index != 1)  # the rows start again, or go on from the row .grad points at
+        net.zero_grad(set_to_none=index != 1)
         ctx.window = Window()
         ctx.window.open(4)
         features.dispatch(Event.WINDOW_OPENED, ctx)
@@ -371,7 +348,7 @@ def test_a_windows_last_differences_are_squared_with_its_mean_or_on_their_own(ro
             start_backward(features, ctx, (xb, yb), 4.0)
             (nn.functional.mse_loss(net(xb), yb) / 4).backward()
             features.dispatch(Event.AFTER_BACKWARD, ctx)
-        if index == 0:  # dropped after its last backward (micro_batch_size="auto"): never steps
+        if index == 0:  # dropped after its last backward: never steps
             continue
         if replaced:  # e.g. another callback's on_before_optimizer_step: the step's gradient is this tensor
             net[0].bias.grad = net[0].bias.grad * 3.0
@@ -379,45 +356,17 @@ def test_a_windows_last_differences_are_squared_with_its_mean_or_on_their_own(ro
         mean = [param.grad.clone() for param in net.parameters()]
         features.dispatch(Event.GRADIENT_READY, ctx)
         assert ctx.noise_scale == pytest.approx(_window_noise_scale(net, batches, mean), rel=1e-4)
-    assert len(features["noise_scale"]._steps) == 0  # read: nothing of the dropped window was added
+    assert noise.state_dict()["updates"] == 2  # the dropped window was never measured
 
 
-def test_a_window_of_small_parameters_costs_one_reduction_at_its_step(monkeypatch):
-    """The micro-batches' squared norms and the mean's come out of one ``vecdot`` per optimizer step, at the step (the
-    window-closing event in between leaves the differences to it), and nothing reduces before the last backward."""
-    calls: list[str] = []
-    for owner, name in ((torch.linalg, "vecdot"), (torch, "dot"), (torch.linalg, "vector_norm")):
-        original = getattr(owner, name)
-        monkeypatch.setattr(owner, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    x, y = make_data(32, seed=9)
-    net = make_net()
-    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
-    for start in (0, 16):
-        net.zero_grad(set_to_none=True)
-        ctx.window = Window()
-        ctx.window.open(4)
-        features.dispatch(Event.WINDOW_OPENED, ctx)
-        for i in range(start, start + 16, 4):
-            start_backward(features, ctx, (x[i : i + 4], y[i : i + 4]), 4.0)
-            (nn.functional.mse_loss(net(x[i : i + 4]), y[i : i + 4]) / 4).backward()
-            features.dispatch(Event.AFTER_BACKWARD, ctx)
-        features.dispatch(Event.WINDOW_CLOSING, ctx)
-        assert calls == []
-        features.dispatch(Event.GRADIENT_READY, ctx)
-        assert calls == ["vecdot"]
-        calls.clear()
-
-
-@pytest.mark.parametrize("rows", [64, 6], ids=["differences-beside-the-mean", "no-room-beside-the-mean"])
-def test_every_micro_batch_of_a_windows_last_loader_batch_is_squared(rows, monkeypatch):
+def test_every_micro_batch_of_a_windows_last_loader_batch_is_squared():
     """``micro_batch_size`` splits a loader batch into micro-batches: the window's last loader batch runs several
-    backwards after the window closed, and each one's differences are squared before the next writes the rows."""
-    monkeypatch.setattr(noise_scale_module, "ROWS", rows)
+    backwards after the window closed, and each is a micro-batch of the estimate."""
     x, _ = make_data(16, seed=8)
     y = x[:, :1] * 3.0 + 0.3 * torch.randn(16, 1, generator=torch.Generator().manual_seed(8))
     parts = [(x[i : i + 2], y[i : i + 2]) for i in range(0, 16, 2)]  # 2 loader batches of 4 micro-batches
     net = make_net()
-    features, ctx = Features([NoiseScale(decay=0.0)]), Context(module=net)
+    features, ctx = Features([NoiseScale(decay=0.0, interval=1)]), Context(module=net)
     ctx.window.open(2)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     for batch in range(2):
@@ -440,7 +389,7 @@ def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():
     torch.manual_seed(0)
     used, unused = nn.Linear(5, 1), nn.Linear(5, 1)
     net = nn.ModuleList([used, unused])
-    features, ctx = Features([NoiseScale()]), Context(module=net)
+    features, ctx = Features([NoiseScale(interval=1)]), Context(module=net)
     ctx.window.open(2)
     features.dispatch(Event.WINDOW_OPENED, ctx)
     x, y = make_data(4, seed=2)
@@ -480,7 +429,7 @@ def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_spar
         net = ConvAndEmbedding()
         dense = torch.optim.Adam(net.conv.parameters(), lr=1e-2, fused=True)
         sparse = torch.optim.SparseAdam(net.embedding.parameters(), lr=1e-2)
-        features, ctx = Features([NoiseScale(decay=0.0)] if noise else []), Context(module=net)
+        features, ctx = Features([NoiseScale(decay=0.0, interval=1)] if noise else []), Context(module=net)
         for start in (0, 3):  # two windows of three micro-batches
             ctx.window = Window()
             ctx.window.open(3)
@@ -501,24 +450,24 @@ def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_spar
         assert torch.equal(a, b)
 
 
-def test_the_sums_are_read_from_the_device_only_for_the_steps_logged(tmp_path, monkeypatch):
-    from lightning_accum.features import noise_scale as module
+def test_the_logged_steps_are_measured_besides_every_interval_th(tmp_path):
+    class Updates(pl.Callback):  # the estimator's updates after each step
+        def __init__(self) -> None:
+            self.seen: list[float] = []
 
-    reads: list[int] = []
-    values = module.SquareSums.values
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx % 2 == 1:
+                self.seen.append(trainer.callbacks[0].features["noise_scale"].state_dict()["updates"])
 
-    def counted(self, count, columns):
-        reads.append(count)
-        return values(self, count, columns)
-
-    monkeypatch.setattr(module.SquareSums, "values", counted)
     x, y = make_data(96)  # 12 steps of 2 micro-batches of 4
-    callback = AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_decay=0.0)
+    callback = AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_decay=0.0, noise_scale_interval=5)
+    updates = Updates()
     logger = CSVLogger(tmp_path, name="run", version=0)
-    trainer([callback], max_epochs=1, logger=logger, log_every_n_steps=4).fit(
+    trainer([callback, updates], max_epochs=1, logger=logger, log_every_n_steps=4).fit(
         RegressionModule(), DataLoader(TensorDataset(x, y), batch_size=4)
     )
-    assert len(reads) == 3  # steps 4, 8 and 12: one transfer each, for the steps since the last
+    measured = [step + 1 for step, (a, b) in enumerate(zip([0.0, *updates.seen], updates.seen, strict=False)) if b > a]
+    assert measured == [4, 5, 8, 10, 12]  # logged every 4 steps, and every 5th
     rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
     logged = [row.split(",")[header.index("accum/noise_scale")] for row in rows[1:]]
@@ -561,18 +510,15 @@ class _StateAtBatchStart(pl.Callback):
     ("hook", "batch_idx"),
     [("on_before_backward", 6), ("on_after_backward", 7), ("on_before_backward", 8), ("on_before_optimizer_step", 8)],
 )
-def test_a_checkpoint_inside_a_window_keeps_the_estimate_of_the_windows_start_with_steps_not_read(
-    tmp_path, hook, batch_idx
-):
-    # no logger: nothing reads the estimate during the run, so every step's sums wait on the device
+def test_a_checkpoint_inside_a_window_keeps_the_estimate_of_the_windows_start(tmp_path, hook, batch_idx):
     x, y = make_data(48)  # 12 batches of 4, windows of 3: the one of batches 6-8 starts after 2 steps
     loader = helpers.ResumableLoader(TensorDataset(x, y), batch_size=4)
-    whole = AccumulationScheduler({0: 3}, noise_scale=True)
+    whole = AccumulationScheduler({0: 3}, noise_scale=True, noise_scale_interval=1)
     start = _StateAtBatchStart(whole, 6)
     trainer([whole, start], max_epochs=2).fit(RegressionModule(), loader)
 
     path = tmp_path / "inside.ckpt"
-    interrupted = AccumulationScheduler({0: 3}, noise_scale=True)
+    interrupted = AccumulationScheduler({0: 3}, noise_scale=True, noise_scale_interval=1)
     trainer([interrupted, _SaveInside(hook, batch_idx, path)], max_epochs=1).fit(RegressionModule(), loader)
     saved = torch.load(path, weights_only=False)["callbacks"]
     (state,) = [value for key, value in saved.items() if key.startswith("AccumulationScheduler")]
@@ -580,56 +526,166 @@ def test_a_checkpoint_inside_a_window_keeps_the_estimate_of_the_windows_start_wi
     assert start.state["updates"] == 2.0
     assert state["noise_scale"] == start.state  # the same folds, in the same order: equal floats
 
-    resumed = AccumulationScheduler({0: 3}, noise_scale=True)
+    resumed = AccumulationScheduler({0: 3}, noise_scale=True, noise_scale_interval=1)
     trainer([resumed], max_epochs=2).fit(RegressionModule(seed=99), loader, ckpt_path=path)
     assert resumed.features["noise_scale"].state_dict() == pytest.approx(
         whole.features["noise_scale"].state_dict(), rel=1e-9
     )
 
 
-def test_a_window_state_resolved_after_later_steps_were_folded_is_the_state_of_its_own_steps():
-    def run(windows: int, keep_after: int | None = None):
-        torch.manual_seed(0)
-        net = nn.Linear(3, 2)
-        noise, ctx = NoiseScale(decay=0.5), Context(module=net)
-        features, kept = Features([noise]), None
-        for window in range(windows):
-            ctx.window.open(2)
-            features.dispatch(Event.WINDOW_OPENED, ctx)
-            for _ in range(2):
-                ctx.batch, ctx.loss_divisor = torch.randn(4, 3), 2.0
-                features.dispatch(Event.BEFORE_BACKWARD, ctx)
-                (net(ctx.batch).pow(2).mean() / 2).backward()
-                ctx.window.take(ends_epoch=False)
-                features.dispatch(Event.AFTER_BACKWARD, ctx)
-            features.dispatch(Event.GRADIENT_READY, ctx)
-            net.zero_grad(set_to_none=True)
-            if window + 1 == keep_after:
-                kept = noise.window_state()
-        return noise, kept
-
-    alone, _ = run(2)
-    later, kept = run(5, keep_after=2)
-    assert callable(kept)  # two steps wait on the device
-    later.estimate  # noqa: B018 (reading it folds all five)
-    assert kept() == alone.state_dict()
+# ------------------------------------------------------------------ what users hold, and the sums against plain PyTorch
 
 
-def test_the_sums_stay_bounded_when_user_code_reads_the_estimate_inside_every_window():
-    # a read inside a window folds the steps before it; the window's own step then waits: its sums are all that stays
-    held: list[int] = []
+class KeepsGradients(pl.Callback):
+    """Keeps a reference to every ``p.grad`` at each ``on_before_optimizer_step``, with a copy of its values then
+    (as gradient logging, gradient EMAs or debugging code keep them)."""
 
-    class Reading(RegressionModule):
-        def training_step(self, batch, batch_idx):
-            noise = self.trainer.callbacks[0].features["noise_scale"]
-            noise.estimate  # noqa: B018 (a read, as user code might log it)
-            if noise._sums is not None:  # from the first backward on
-                held.append(noise._sums.mark()[0])
-            return super().training_step(batch, batch_idx)
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    x, y = make_data(4 * 4 * 40)  # 40 steps of 4 micro-batches of 4
-    callback = AccumulationScheduler({0: 4}, noise_scale=True)
-    trainer([callback], max_epochs=1).fit(Reading(), DataLoader(TensorDataset(x, y), batch_size=4))
-    assert len(held) == 159
-    assert max(held) <= 2 * 5  # the waiting step's 4 backwards and mean, and the window in progress's
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.kept += [(p.grad, p.grad.clone()) for p in pl_module.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("interval", [1, 10], ids=["every-window", "default-sampling"])
+def test_every_gradient_a_callback_keeps_still_holds_its_steps_values_at_the_end(interval):
+    x, y = make_data(4 * 4 * 30)  # 30 steps of 4 micro-batches of 4
+    keeps = KeepsGradients()
+    callback = AccumulationScheduler({0: 4}, noise_scale=True, noise_scale_interval=interval)
+    trainer([callback, keeps], max_epochs=1).fit(RegressionModule(), DataLoader(TensorDataset(x, y), batch_size=4))
     assert callback.features["noise_scale"].estimate.noise_scale is not None
+    assert len(keeps.kept) == 30 * 4
+    overwritten = sum(not torch.equal(kept, values) for kept, values in keeps.kept)
+    assert overwritten == 0
+
+
+class Measurements(pl.Callback):
+    """Listed after the scheduler: each optimizer step's new noise measurement, by the step it ends in."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, Any] = {}
+        self._last: Any = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        measurement = trainer.callbacks[0].features["noise_scale"].measurement
+        if measurement is not None and measurement is not self._last:
+            self.by_step[trainer.global_step + 1] = measurement
+        self._last = measurement
+
+
+def reference_sums(
+    windows: list[list[list[Any]]], loss_and_items: Any, weighting: str, net: nn.Module, lr: float = 0.1
+) -> list[tuple[float, float]]:
+    """Plain PyTorch: for each window (its loader batches, each a list of micro-batches), the mean squared norm of
+    the micro-batch gradients (each of its micro-batch's mean loss; those without items left out) and the squared
+    norm of the window's gradient; then one SGD step on that gradient.
+
+    The window's gradient is the mean of its loader batches' mean-loss gradients (``"micro_batch"``), or the
+    gradient of the mean loss over every item of the window (``"sample"``, ``"token"``). A loader batch's micro-batches
+    weigh their rows. In reduced precision the micro-batch gradients are summed in float32 (in order) and the
+    window's gradient rounded once.
+    """
+    params = list(net.parameters())
+    optimizer = torch.optim.SGD(params, lr=lr)
+    sums = []
+    for window in windows:
+        micro, weights, small = [], [], []
+        for batch in window:
+            rows = sum(_rows(part) for part in batch)
+            for part in batch:
+                total, items = loss_and_items(net, part)
+                grad = torch.autograd.grad(total / max(items, 1), params, allow_unused=True)
+                grad = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grad, strict=True)]
+                micro.append(grad)
+                if items > 0:
+                    small.append(sum(g.float().pow(2).sum() for g in grad).item())
+                weights.append(items if weighting != "micro_batch" else _rows(part) / rows / len(window))
+        total_weight = sum(weights) if weighting != "micro_batch" else 1.0
+        step = []
+        for index, param in enumerate(params):
+            accumulated = torch.zeros_like(param, dtype=torch.float32)
+            for grad, weight in zip(micro, weights, strict=True):
+                accumulated += grad[index].float() * weight
+            step.append((accumulated / total_weight).to(param.dtype))
+        for param, grad in zip(params, step, strict=True):
+            param.grad = grad
+        sums.append((sum(small) / len(small), sum(g.float().pow(2).sum() for g in step).item()))
+        optimizer.step()
+    return sums
+
+
+def _rows(batch: Any) -> int:
+    return len(batch["labels"]) if isinstance(batch, dict) else len(batch[0])
+
+
+def _mse_sum(net: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+    x, y = batch
+    return nn.functional.mse_loss(net(x), y, reduction="sum"), len(x)
+
+
+def _token_sum(net: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
+    items = int((batch["labels"] != -100).sum())
+    return token_loss(net, batch["features"], batch["labels"]) * max(items, 1), items
+
+
+class TokenModule(RegressionModule):
+    def training_step(self, batch, batch_idx):
+        return token_loss(self.net, batch["features"], batch["labels"])
+
+
+CASES = {
+    # name: (normalize_by, micro_batch_size, loader batch, samples, precision)
+    "micro-batch-means": ("micro_batch", None, 4, 100, "32-true"),  # the epoch's last window holds 1 batch of 4
+    "sample-weighting": ("sample", None, 5, 122, "32-true"),  # the last batch holds 2
+    "token-weighting": ("token", None, 4, 96, "32-true"),
+    "split-micro-batches": ("micro_batch", 3, 8, 192, "32-true"),  # loader batches of 8 in parts of 3, 3, 2
+    "bf16-float32-accumulation": ("micro_batch", None, 4, 96, "bf16-true"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_two_sums_of_every_measured_window_are_plain_pytorchs(case):
+    """On every measured window (every third step here), the mean squared micro-batch gradient norm and the squared
+    norm of the step's gradient equal plain PyTorch's, each micro-batch's gradient computed alone."""
+    normalize_by, micro_batch_size, batch_size, samples, precision = CASES[case]
+    factor = 4
+    if normalize_by == "token":
+        tokens = make_tokens(samples, seed=2)
+        data: Any = DictDataset(tokens)
+        batches = [{k: v[i : i + batch_size] for k, v in tokens.items()} for i in range(0, samples, batch_size)]
+        module: pl.LightningModule = TokenModule()
+    else:
+        x, y = make_data(samples, seed=2)
+        data = TensorDataset(x, y)
+        batches = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, samples, batch_size)]
+        module = RegressionModule()
+    if micro_batch_size is not None:
+        split = [
+            [(b[0][i : i + micro_batch_size], b[1][i : i + micro_batch_size]) for i in range(0, len(b[0]), 3)]
+            for b in batches
+        ]
+    else:
+        split = [[b] for b in batches]
+    if precision == "bf16-true":
+        split = [[tuple(t.bfloat16() for t in part) for part in batch] for batch in split]
+    windows = [split[i : i + factor] for i in range(0, len(split), factor)]
+    callback = AccumulationScheduler(
+        {0: factor},
+        normalize_by=normalize_by,
+        micro_batch_size=micro_batch_size,
+        noise_scale=True,
+        noise_scale_decay=0.0,
+        noise_scale_interval=3,
+        grad_accum_dtype="float32",
+    )
+    measurements = Measurements()
+    trainer([callback, measurements], max_epochs=1, precision=precision).fit(
+        module, DataLoader(data, batch_size=batch_size)
+    )
+    net = make_net().to(torch.bfloat16) if precision == "bf16-true" else make_net()
+    expected = reference_sums(windows, _token_sum if normalize_by == "token" else _mse_sum, normalize_by, net)
+    assert sorted(measurements.by_step) == [s for s in range(1, len(windows) + 1) if s % 3 == 0]
+    for step, measurement in measurements.by_step.items():
+        small, big = expected[step - 1]
+        assert measurement.small_sq == pytest.approx(small, rel=1e-6), step
+        assert measurement.big_sq == pytest.approx(big, rel=1e-6), step

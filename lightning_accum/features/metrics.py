@@ -2,10 +2,12 @@
 
 Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's values in ``ctx.metrics`` and logs them
 with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
-in one call per logger. At ``FIT_START`` it writes the Custom Scalars layout and the run's summary line (the other
-features' phrases joined to its own) to TensorBoard's Text tab and the console; whenever a window opens with another
-factor, effective batch or LR scale, it adds an entry saying what changed, at which optimizer step and sample. The
-progress bar shows the factor and the effective batch as integers, and says when a window was cut short.
+in one call per logger, every ``log_every_n_steps`` optimizer steps (published as ``ctx.log_every`` at ``FIT_START``,
+so that the noise scale measures the logged steps). At ``FIT_START`` it writes the Custom Scalars layout and the
+run's summary line (the other features' phrases joined to its own) to TensorBoard's Text tab and the console;
+whenever a window opens with another factor, effective batch or LR scale, it adds an entry saying what changed, at
+which optimizer step and sample. The progress bar shows the factor and the effective batch as integers, and says
+when a window was cut short (``ctx.run.show_in_progress_bar``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Metrics(Feature):
     @override
     def fit_start(self, ctx: Context) -> None:
         self._batch, self._layout_written = None, False
+        ctx.log_every = ctx.run.log_every_n_steps if ctx.run.loggers else 0  # the same on every rank
         if ctx.is_global_zero:
             self._write_summary(ctx, [batch_summary(ctx.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary])
 
@@ -49,8 +52,8 @@ class Metrics(Feature):
     def window_opened(self, ctx: Context) -> None:
         self._loss, self._items, self._started = None, 0, time.perf_counter()
         self._step = ctx.optimizer_steps + 1  # the step this window takes
-        self._logging = self._logs(ctx, self._step)  # its loss is summed only if that step is logged
-        ctx.step_logged = self._logging
+        # its loss is summed only if that step is logged, on rank zero
+        self._logging = ctx.is_global_zero and ctx.log_every > 0 and self._step % ctx.log_every == 0
         batch = (ctx.factor, ctx.effective_batch(ctx.factor))
         changes = []
         if self._batch is not None and batch != self._batch:
@@ -64,17 +67,10 @@ class Metrics(Feature):
 
     def _write_summary(self, ctx: Context, phrases: list[str]) -> None:
         text = "; ".join(phrases)
-        for logger in getattr(ctx.trainer, "loggers", []):
+        for logger in ctx.run.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
         rank_zero_info(f"AccumulationScheduler: {text}")
-
-    @staticmethod
-    def _logs(ctx: Context, step: int) -> bool:
-        """Whether optimizer step ``step`` is logged: on rank zero, every ``log_every_n_steps``, as Lightning logs."""
-        if not ctx.is_global_zero or not getattr(ctx.trainer, "loggers", None):
-            return False
-        return step % max(1, int(getattr(ctx.trainer, "log_every_n_steps", 1) or 1)) == 0
 
     @override
     def micro_batch_ended(self, ctx: Context) -> None:
@@ -91,14 +87,12 @@ class Metrics(Feature):
 
     @override
     def window_closed(self, ctx: Context) -> None:
-        shown = getattr(ctx.trainer, "progress_bar_metrics", None)  # what the progress bar shows next to its count
-        if isinstance(shown, dict):
-            effective = ctx.effective_batch(ctx.window.taken)
-            shown["factor"] = ctx.factor
-            shown["eff_batch"] = effective if ctx.window.taken == ctx.factor else f"{effective} (short window)"
+        effective = ctx.effective_batch(ctx.window.taken)
+        shown = effective if ctx.window.taken == ctx.factor else f"{effective} (short window)"
+        ctx.run.show_in_progress_bar({"factor": ctx.factor, "eff_batch": shown})
         if ctx.optimizer_steps != self._step or not self._logging:  # no step taken (no backward), or not logged
             return
-        loggers = ctx.trainer.loggers
+        loggers = ctx.run.loggers
         record = StepRecord(
             factor=ctx.factor,
             micro_steps_in_window=ctx.window.taken,

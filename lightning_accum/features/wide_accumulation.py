@@ -8,8 +8,8 @@ Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-
   gradient), and the window's mean is written back once before the step; parameters that are float32 already
   accumulate in ``.grad`` as usual;
 - DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same for every trainable parameter, with DDP's own
-  reduction off for the whole window and the float32 sums all-reduced once per window (float32 communication: twice
-  the bytes of bfloat16);
+  reduction off for the whole window (``ctx.run.reduce_gradients_elsewhere``) and the float32 sums all-reduced once
+  per window (``ctx.run.all_reduce_sum``; float32 communication: twice the bytes of bfloat16);
 - FSDP2 (``fully_shard``): the units' reduce dtype is widened, so FSDP2 itself keeps the unreduced gradients of
   ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once.
 
@@ -25,10 +25,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature
+from lightning_accum.events import Context, DataParallel, Feature
 from lightning_accum.precision import WideAccumulator, narrower
-from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-from lightning_accum.sync import fsdp2_modules, fsdp2_widen_reduce_dtype, has_no_sync
+from lightning_accum.sync import fsdp2_widen_reduce_dtype
 
 
 class WideAccumulation(Feature):
@@ -61,27 +60,26 @@ class WideAccumulation(Feature):
         self.dtype = dtype
         self.strict = strict
         self._accumulator: WideAccumulator | None = None
-        self._all_reduce: Any = None  # in-place float32 sum over the data-parallel ranks, under DDP
-        self._strategy: Any = None  # the strategy whose reduction this feature took over
+        self._reduces = False  # whether this feature all-reduces the window's sums, DDP's own reduction off
         self._restore: Any = None  # gives FSDP2 its reduce dtypes back
         self._active = False  # whether the window in progress accumulates here
 
     @override
     def fit_start(self, ctx: Context) -> None:
-        self._release()
-        strategy = getattr(ctx.trainer, "strategy", None)
-        model = getattr(strategy, "model", None)
+        self._release(ctx)
+        parallel = ctx.run.data_parallel
         narrow = self._narrow(ctx)
         name = _name(self.dtype)
         try:
-            if fsdp2_modules(model):
-                self._fsdp2(strategy, model, narrow)
+            if parallel.wrapper == "fsdp2":
+                self._fsdp2(parallel, ctx.module, narrow)
                 ctx.summary.append(f"FSDP2 reduces and accumulates gradients in {name}")
                 return
             if not narrow:
                 return
-            if has_no_sync(model):
-                self._take_over_ddp(strategy, model)
+            if parallel.wrapper in ("ddp", "fsdp1"):
+                self._check_ddp(parallel)
+                self._reduces = True
         except ValueError as error:
             if self.strict:
                 raise
@@ -95,13 +93,13 @@ class WideAccumulation(Feature):
 
     def _covered(self, ctx: Context) -> list[torch.Tensor]:
         # under DDP every trainable parameter: DDP's own reduction is off for the window, so all go through here
-        return [p for p in ctx.module.parameters() if p.requires_grad] if self._all_reduce else self._narrow(ctx)
+        return [p for p in ctx.module.parameters() if p.requires_grad] if self._reduces else self._narrow(ctx)
 
     def _build(self, ctx: Context) -> WideAccumulator:
         return WideAccumulator(self._covered(ctx), self.dtype)
 
-    def _fsdp2(self, strategy: Any, model: Any, narrow: list[torch.Tensor]) -> None:
-        policy = strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else "every"
+    def _fsdp2(self, parallel: DataParallel, module: Any, narrow: list[torch.Tensor]) -> None:
+        policy = parallel.gradient_sync or "every"  # a stock strategy reduce-scatters every micro-step
         if narrow and policy != "last":
             raise ValueError(
                 f"grad_accum_dtype={_name(self.dtype)!r} with FSDP2 sharded parameters in {narrow[0].dtype}: with"
@@ -110,37 +108,32 @@ class WideAccumulation(Feature):
                 " float32 sharded parameters (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`), or set"
                 " grad_accum_dtype=None to accumulate in the parameters' dtype"
             )
-        self._restore = fsdp2_widen_reduce_dtype(model, self.dtype)
+        self._restore = fsdp2_widen_reduce_dtype(module, self.dtype)
 
-    def _take_over_ddp(self, strategy: Any, model: Any) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
+    def _check_ddp(self, parallel: DataParallel) -> None:
         name = _name(self.dtype)
-        if not isinstance(model, DistributedDataParallel):  # FSDP1
+        if parallel.wrapper == "fsdp1":
             raise ValueError(
-                f"grad_accum_dtype={name!r} is not supported with FSDP1 ({type(strategy).__name__}): use FSDP2"
+                f"grad_accum_dtype={name!r} is not supported with FSDP1 ({parallel.strategy}): use FSDP2"
                 " (ModelParallelAccumulationStrategy) or grad_accum_dtype=None"
             )
-        if not isinstance(strategy, AccumulationStrategyMixin):
+        if parallel.gradient_sync is None:
             raise ValueError(
-                f"grad_accum_dtype={name!r} under {type(strategy).__name__}: DDP would all-reduce only each window's"
+                f"grad_accum_dtype={name!r} under {parallel.strategy}: DDP would all-reduce only each window's"
                 " last micro-batch gradient, in the parameters' dtype. Use lightning_accum.DDPAccumulationStrategy"
                 " (it all-reduces the float32 sums once per window), or set grad_accum_dtype=None"
             )
-        if getattr(model, "static_graph", False):
+        if parallel.static_graph:
             raise ValueError(
                 f"grad_accum_dtype={name!r} with DDP(static_graph=True): the float32 sums are all-reduced by the"
                 " callback, so DDP's own reduction is off for whole windows, which a static graph does not allow."
                 " Set static_graph=False, or grad_accum_dtype=None"
             )
-        group = model.process_group
-        self._all_reduce = lambda tensor: torch.distributed.all_reduce(tensor, group=group)
-        self._strategy = strategy
 
     @property
     @override
     def idle(self) -> bool:
-        return self._accumulator is None and self._strategy is None and self._restore is None
+        return self._accumulator is None and not self._reduces and self._restore is None
 
     @override
     def window_opened(self, ctx: Context) -> None:
@@ -151,8 +144,8 @@ class WideAccumulation(Feature):
                 self._accumulator = WideAccumulator(covered, self.dtype)
         # one backward rounds once anyway (a window of one loader batch that is not split)
         self._active = self._accumulator is not None and (ctx.window.size > 1 or ctx.splitting)
-        if self._strategy is not None:
-            self._strategy.reduce_gradients_elsewhere(self._active)
+        if self._reduces:
+            ctx.run.reduce_gradients_elsewhere(self._active)
         if self._active:
             assert self._accumulator is not None
             self._accumulator.zero()
@@ -172,8 +165,8 @@ class WideAccumulation(Feature):
         accumulator = self._accumulator
         assert accumulator is not None
         accumulator.add()  # the window's last micro-batch
-        if self._all_reduce is not None:
-            accumulator.reduce(self._all_reduce, ctx.world_size)
+        if self._reduces:
+            accumulator.reduce(ctx.run.all_reduce_sum, ctx.world_size)
         accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
         if ctx.gradient_scale != 1.0 and ctx.optimizer is not None:  # parameters accumulated in place, as usual
             covered = {id(p) for p in accumulator.params}
@@ -189,15 +182,15 @@ class WideAccumulation(Feature):
 
     @override
     def fit_end(self, ctx: Context) -> None:
-        self._release()
+        self._release(ctx)
 
-    def _release(self) -> None:
-        if self._strategy is not None:
-            self._strategy.reduce_gradients_elsewhere(False)
+    def _release(self, ctx: Context) -> None:
+        if self._reduces:
+            ctx.run.reduce_gradients_elsewhere(False)
         if self._restore is not None:
             self._restore()
-        self._accumulator = self._all_reduce = self._strategy = self._restore = None
-        self._active = False
+        self._accumulator = self._restore = None
+        self._active = self._reduces = False
 
 
 def _name(dtype: torch.dtype) -> str:

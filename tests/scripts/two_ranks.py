@@ -164,6 +164,31 @@ class CountReduceScatters(pl.Callback):
             self.reduce_scatters = self.all_gathers = 0
 
 
+class Measurements(pl.Callback):
+    """Listed after the scheduler: each measured window's two noise-scale sums, by the optimizer step it ends in."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, list[float]] = {}
+        self._last: Any = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        scheduler = next(c for c in trainer.callbacks if isinstance(c, AccumulationScheduler))  # type: ignore[attr-defined]
+        measurement = scheduler.features["noise_scale"].measurement
+        if measurement is not None and measurement is not self._last:
+            self.by_step[trainer.global_step + 1] = [measurement.small_sq, measurement.big_sq]
+        self._last = measurement
+
+
+class KeepsGradients(pl.Callback):
+    """Keeps every ``p.grad`` at each ``on_before_optimizer_step``, with a copy of its values then."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.kept += [(p.grad, p.grad.clone()) for p in pl_module.parameters() if p.grad is not None]
+
+
 def full_weights(module: nn.Module) -> dict[str, list[float]]:
     weights = {}
     for name, param in module.named_parameters():
@@ -187,6 +212,7 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
                 normalize_by=options.get("normalize_by", "micro_batch"),
                 noise_scale=options.get("noise_scale", False),
                 noise_scale_decay=options.get("noise_scale_decay", 0.99),
+                noise_scale_interval=options.get("noise_scale_interval", 10),
                 adaptive=options.get("adaptive", False),
                 adaptive_interval=5,
                 adaptive_max_factor=32,
@@ -194,6 +220,9 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
                 count_items=nan_at_batch_1_on_rank_1 if options.get("bad_count") else None,
             )
         )
+    measurements, keeps = Measurements(), KeepsGradients()
+    if options.get("noise_scale"):
+        callbacks += [measurements, keeps]
     sync = options.get("gradient_sync", "last")
     if backend == "ddp":
         callbacks.append(CountAllReduces())
@@ -257,6 +286,9 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
             "noise_grad_sq": estimate.grad_sq,
             "noise_trace": estimate.trace,
         }
+        record["measurements"] = measurements.by_step
+        record["kept_gradients"] = len(keeps.kept)
+        record["kept_gradients_overwritten"] = sum(not torch.equal(kept, values) for kept, values in keeps.kept)
     if "adaptive" in features:
         record["adaptive_factor"] = features["adaptive"].factor
     if scheduler is not None and "micro_batch_size_found" in scheduler.state_dict():
@@ -285,6 +317,7 @@ NOISE_FROZEN_K4 = {
     "num_samples": 1024,
     "epochs": 3,
 }
+NOISE_SUMS = {"noise_scale": True, "noise_scale_decay": 0.0, "noise_scale_interval": 2}
 CONFIGS = {
     "stock_k4": {"mode": "stock", "factor": 4},
     "last_k3": {"mode": "ours", "scheduling": {0: 3}},
@@ -297,6 +330,17 @@ CONFIGS = {
     "noise_frozen_k4": NOISE_FROZEN_K4,
     # the same with DDP reducing on every micro-step: the micro-batch gradients the estimate squares are the same
     "noise_frozen_k4_every": {**NOISE_FROZEN_K4, "gradient_sync": "every"},
+    # every other window measured: its two sums against plain PyTorch's, over both ranks' micro-batches (the ranks'
+    # own sums differ: every rank must hold the same estimate); kept gradients keep their values
+    "noise_sums_k3": {"mode": "ours", "scheduling": {0: 3}, **NOISE_SUMS},
+    "noise_sums_sample_ragged": {
+        "mode": "ours",
+        "scheduling": {0: 3},
+        "normalize_by": "sample",
+        "num_samples": 60,
+        **NOISE_SUMS,
+    },
+    "noise_sums_token": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "token", **NOISE_SUMS},
     # the noise scale grows as the model converges: the factor grows, by rank zero's decision on every rank
     "adaptive_k2": {
         "mode": "ours",

@@ -1,0 +1,132 @@
+"""What the coordinator refuses or warns about before the first batch, from the Trainer it is given.
+
+Every check runs on every rank alike (the conditions are the same everywhere), so a refusal never leaves a rank
+waiting in a collective. Lightning glue: reads the Trainer, the strategy and the LightningModule; changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_accum._position import count_steps
+from lightning_accum.events import takes_dataloader_iter
+from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
+from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+from lightning_accum.sync import fsdp2_modules
+
+
+def check_arguments(adaptive: object, noise_scale: object, micro_batch_size: object) -> None:
+    """Refuse arguments that only make sense together, or a ``micro_batch_size`` string other than ``"auto"``."""
+    if check_bool("adaptive", adaptive) and noise_scale is not True:
+        raise ValueError(
+            f"`adaptive=True` grows the factor from the measured noise scale: set noise_scale=True as well (got"
+            f" noise_scale={noise_scale!r})"
+        )
+    if isinstance(micro_batch_size, str) and micro_batch_size != "auto":
+        raise ValueError(f"`micro_batch_size` must be an integer >= 1, 'auto' or None, got {micro_batch_size!r}")
+
+
+def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: Any) -> None:
+    """Raise before the first batch when the Trainer cannot run ``callback`` (an ``AccumulationScheduler``)."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"AccumulationScheduler sets the factor itself: remove `Trainer(accumulate_grad_batches="
+            f"{trainer.accumulate_grad_batches})` or give the factor as AccumulationScheduler(scheduling={{0:"
+            f" {trainer.accumulate_grad_batches}}})"
+        )
+    if trainer.strategy.handles_gradient_accumulation:
+        raise ValueError(
+            f"`{type(trainer.strategy).__name__}` accumulates gradients by itself (as DeepSpeed does), so"
+            " AccumulationScheduler cannot control its windows: use its own accumulation setting instead"
+        )
+    if not pl_module.automatic_optimization:
+        raise ValueError(
+            "AccumulationScheduler drives automatic optimization; with `automatic_optimization = False` call"
+            " `manual_backward` and `optimizer.step()` yourself at the window boundaries"
+        )
+    for other in trainer.callbacks:  # type: ignore[attr-defined]
+        if other is not callback and isinstance(other, (type(callback), GradientAccumulationScheduler)):
+            raise ValueError(
+                f"Only one accumulation callback may be attached: found {type(other).__name__} beside this"
+                " AccumulationScheduler"
+            )
+    if isinstance(trainer.strategy, ModelParallelStrategy) and not isinstance(
+        trainer.strategy, AccumulationStrategyMixin
+    ):
+        rank_zero_warn(
+            "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
+            " use lightning_accum.ModelParallelAccumulationStrategy to reduce once per optimizer step"
+        )
+
+
+def check_splitting(trainer: pl.Trainer, auto: bool, weighs_items: bool) -> None:
+    """Refuse what splitting cannot do (``auto``: ``micro_batch_size="auto"``; ``weighs_items``: item weighting)."""
+    if takes_dataloader_iter(trainer.lightning_module):
+        raise ValueError(
+            "micro_batch_size splits the batch handed to `training_step`, but `training_step(self, dataloader_iter)`"
+            " fetches its own: use `training_step(self, batch, batch_idx)` or no micro_batch_size"
+        )
+    if auto and fsdp2_modules(trainer.strategy.model):
+        raise ValueError(
+            "micro_batch_size='auto' cannot retry a batch under FSDP2: a rank out of memory would leave the other ranks"
+            " waiting in a parameter all-gather. Give an integer micro_batch_size (find it with `lightning-accum plan"
+            " --probe`)"
+        )
+    if auto and trainer.world_size > 1 and weighs_items:
+        raise ValueError(
+            "micro_batch_size='auto' with normalize_by='sample' or 'token' on several ranks is not supported: the"
+            " weighting's first all-reduce would meet another rank's out-of-memory check. Give an integer"
+            " micro_batch_size, or normalize_by='micro_batch'"
+        )
+
+
+def warn_at_fit_start(
+    trainer: pl.Trainer, spec: ScheduleSpec, schedule: Schedule, micro_batch_size: int | None, grows: bool
+) -> None:
+    """Warn about what the Trainer does under ``schedule``; say how many optimizer steps the run takes.
+
+    At most that many where adaptive growth ``grows`` the factor.
+    """
+    batches = trainer.num_training_batches
+    if schedule.max_factor > batches:
+        rank_zero_warn(
+            f"AccumulationScheduler: the schedule reaches factor {schedule.max_factor}, more than an epoch's {batches}"
+            f" batches, and a window never spans epochs: such windows hold {batches} micro-batches, and LR scaling"
+            " and the logs use that. Use a smaller factor, or more batches per epoch"
+        )
+    if trainer.ckpt_path is not None:
+        _warn_if_resuming_mid_epoch_without_loader_state(trainer)
+    if schedule.max_factor == 1 and not grows:
+        return
+    steps = count_steps(trainer, spec, micro_batch_size)
+    module = trainer.lightning_module
+    overridden = [name for name in ("optimizer_step", "optimizer_zero_grad") if is_overridden(name, module)]
+    if overridden:
+        hooks = " and ".join(f"`LightningModule.{name}`" for name in overridden)
+        rank_zero_warn(
+            f"AccumulationScheduler: {hooks} {'is' if len(overridden) == 1 else 'are'} overridden; under"
+            " accumulation they run once per optimizer step (once per window of micro-batches), not on every batch"
+        )
+    rank_zero_info(
+        f"AccumulationScheduler: this run takes{' at most' if grows else ''} {steps} optimizer steps;"
+        " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
+        " `lightning_accum.estimated_stepping_batches(trainer)`."
+    )
+
+
+def _warn_if_resuming_mid_epoch_without_loader_state(trainer: pl.Trainer) -> None:
+    """Lightning's own check assumes a constant factor (steps per epoch), so it misses most resumes under a schedule."""
+    done = int(getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0))
+    if 0 < done < trainer.num_training_batches and not trainer.fit_loop.on_save_checkpoint().get("combined_loader"):
+        rank_zero_warn(
+            f"AccumulationScheduler: resuming in the middle of an epoch (after batch {done}) with a train dataloader"
+            " that has no `state_dict`: the epoch's data starts again from its beginning, so the resumed run differs"
+            " from the uninterrupted one. Use a resumable dataloader (torchdata's StatefulDataLoader) or resume from"
+            " a checkpoint written at an epoch's end"
+        )

@@ -1,0 +1,143 @@
+"""TrainerRun: the features' read-only view of the Trainer, and the actions they may ask of it.
+
+Features never hold the Trainer (``tests/test_architecture.py`` checks it): at ``setup`` the coordinator binds the
+:class:`~lightning_accum.events.Context` to a :class:`TrainerRun`, which answers what the features may know (epoch,
+batches per epoch, loggers, how gradients travel between ranks, the AMP loss scale) and carries out the few actions
+they may ask for (size the progress bar, show values beside it, hand DDP's reduction to the callback for a window).
+
+Lightning glue. It reads the Trainer's public attributes; sizing Lightning's TQDM bar uses its private
+``_train_progress_bar`` (the public property raises before an epoch starts), and keeps the size across the bar's
+own reset at an epoch's start by wrapping the bar's ``on_train_epoch_start`` on the instance for the fit
+(``tests/test_lightning_contract.py`` pins both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+from lightning_accum.events import Context, DataParallel, Run
+from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+from lightning_accum.sync import fsdp2_modules
+
+
+class TrainerRun(Run):
+    """What the features may know of ``trainer`` and ask of it, for one fit.
+
+    Args:
+        trainer: The Trainer of the fit.
+    """
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer
+        bar = trainer.progress_bar_callback
+        self._bar = bar if isinstance(bar, (TQDMProgressBar, RichProgressBar)) else None
+        self._total: tuple[int, int] | None = None  # (epoch, total) the bar was last sized to
+        self._bar_reset: Callable[..., Any] | None = None  # the bar's own on_train_epoch_start, while wrapped
+
+    @property
+    def epoch(self) -> int:  # noqa: D102 (Run's)
+        return self._trainer.current_epoch
+
+    @property
+    def batches_per_epoch(self) -> float:  # noqa: D102
+        return float(self._trainer.num_training_batches)
+
+    @property
+    def max_steps(self) -> int:  # noqa: D102
+        return self._trainer.max_steps
+
+    @property
+    def log_every_n_steps(self) -> int:  # noqa: D102
+        return max(1, int(getattr(self._trainer, "log_every_n_steps", 1) or 1))
+
+    @property
+    def loggers(self) -> list[Any]:  # noqa: D102
+        return list(self._trainer.loggers)
+
+    @property
+    def has_progress_bar(self) -> bool:  # noqa: D102
+        return self._bar is not None
+
+    @property
+    def data_parallel(self) -> DataParallel:  # noqa: D102
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.nn.parallel import DistributedDataParallel
+
+        strategy: Any = self._trainer.strategy
+        model = getattr(strategy, "model", None)
+        wrapper = "none"
+        if isinstance(model, DistributedDataParallel):
+            wrapper = "ddp"
+        elif isinstance(model, FullyShardedDataParallel):
+            wrapper = "fsdp1"
+        elif fsdp2_modules(model):
+            wrapper = "fsdp2"
+        return DataParallel(
+            wrapper=wrapper,
+            strategy=type(strategy).__name__,
+            gradient_sync=strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else None,
+            static_graph=bool(getattr(model, "static_graph", False)),
+            shards_parameters=isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)),
+        )
+
+    def loss_scale(self) -> float | None:  # noqa: D102
+        scaler = getattr(self._trainer.precision_plugin, "scaler", None)
+        return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
+    def set_progress_total(self, total: int) -> None:  # noqa: D102
+        if self._bar is None:
+            return
+        self._total = (self._trainer.current_epoch, total)
+        if self._bar_reset is None:  # the bar resets its total at each epoch's start, after this callback's hook
+            self._bar_reset = self._bar.on_train_epoch_start
+            self._bar.on_train_epoch_start = self._after_bar_reset  # type: ignore[method-assign]
+        _set_total(self._bar, total)
+
+    def _after_bar_reset(self, trainer: pl.Trainer, *args: Any) -> None:
+        assert self._bar_reset is not None
+        assert self._bar is not None
+        self._bar_reset(trainer, *args)
+        if self._total is not None and self._total[0] == trainer.current_epoch:
+            _set_total(self._bar, self._total[1])
+
+    def show_in_progress_bar(self, values: dict[str, Any]) -> None:  # noqa: D102
+        self._trainer.progress_bar_metrics.update(values)
+
+    def reduce_gradients_elsewhere(self, elsewhere: bool) -> None:  # noqa: D102
+        strategy = self._trainer.strategy
+        if isinstance(strategy, AccumulationStrategyMixin):
+            strategy.reduce_gradients_elsewhere(elsewhere)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:  # noqa: D102
+        torch.distributed.all_reduce(tensor, group=self._trainer.strategy.model.process_group)  # type: ignore[union-attr]
+
+    def release(self) -> None:  # noqa: D102
+
+        if self._bar is not None and "on_train_epoch_start" in vars(self._bar):
+            del self._bar.on_train_epoch_start
+        self._bar_reset = None
+
+
+def bind(ctx: Context, trainer: pl.Trainer, module: pl.LightningModule) -> TrainerRun:
+    """Bind ``ctx`` to the fit of ``trainer``: ranks and collectives from its strategy, the run's view."""
+    run = TrainerRun(trainer)
+    ctx.module, ctx.run = module, run
+    ctx.world_size, ctx.is_global_zero = trainer.world_size, trainer.is_global_zero
+    ctx.reduce = lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op)
+    ctx.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
+    return run
+
+
+def _set_total(bar: TQDMProgressBar | RichProgressBar, total: int) -> None:
+    if isinstance(bar, TQDMProgressBar):
+        if bar._train_progress_bar is not None:  # public `train_progress_bar` raises before the epoch starts
+            bar.train_progress_bar.total = total
+            bar.train_progress_bar.refresh()
+    elif bar.progress is not None and getattr(bar, "train_progress_bar_id", None) is not None:
+        bar.progress.update(bar.train_progress_bar_id, total=total)
