@@ -74,7 +74,7 @@ class AccumulationScheduler(Callback):
         ignore_index: The label value that bears no loss.
         count_items: ``batch -> int or tensor``, counting a micro-batch's items instead.
         noise_scale: Estimate the gradient noise scale (the critical batch) and log ``accum/noise_scale``.
-        noise_scale_decay: Decay of the moving averages that smooth the estimate, per measured window, in ``[0, 1)``.
+        noise_scale_decay: Decay per optimizer step of the moving averages that smooth the estimate, in ``[0, 1)``.
         noise_scale_interval: Measure the noise scale on every ``noise_scale_interval``-th window and on each window
             whose step is logged; ``1`` measures every window. The other windows cost nothing.
         adaptive: Double the factor when the noise scale calls for a larger batch (needs ``noise_scale``).

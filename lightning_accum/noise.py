@@ -17,9 +17,11 @@ Micro-batches of different sizes ``b_i`` (a short last batch, token counts) gene
 which is the pair above when every ``b_i = b`` and ``B = n b``.
 
 Each is noisy on one step, so each is smoothed by its own bias-corrected exponential moving average, and the noise
-scale is the ratio of the two averages (the ratio of averages, not the average of ratios, as the paper advises).
+scale is the ratio of the two averages (the ratio of averages, not the average of ratios, as the paper advises). The
+decay is per optimizer step: a measurement ``k`` steps after the previous one weighs ``1 - decay ** k`` against it,
+so the averages reach back the same number of steps whether every window is measured or every tenth.
 
-Pure: no Lightning import; :class:`NoiseScaleEstimator` takes the two squared norms per optimizer step.
+Pure: no Lightning import; :class:`NoiseScaleEstimator` takes the two squared norms of each measured step.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ class NoiseScaleEstimate:
 
 
 class NoiseScaleEstimator:
-    """Bias-corrected moving averages of ``|G|^2`` and ``tr(Sigma)``, one update per optimizer step.
+    """Bias-corrected moving averages of ``|G|^2`` and ``tr(Sigma)``, decaying per optimizer step.
 
     Args:
-        decay: The moving averages' decay per update, in ``[0, 1)``; ``0`` keeps only the latest step.
+        decay: The moving averages' decay per optimizer step, in ``[0, 1)``; ``0`` keeps only the latest measurement.
 
     Raises:
         ValueError: If ``decay`` is outside ``[0, 1)``.
@@ -68,18 +70,20 @@ class NoiseScaleEstimator:
         self.decay = float(decay)
         self._grad_sq = 0.0
         self._trace = 0.0
+        self._weight = 0.0  # what the averages' weights add up to: the bias correction
         self._updates = 0
 
     def update(
-        self, small_sq: float, big_sq: float, inverse_small_batch: float, big_batch: float
+        self, small_sq: float, big_sq: float, inverse_small_batch: float, big_batch: float, steps: int = 1
     ) -> NoiseScaleEstimate | None:
-        """Fold in one optimizer step.
+        """Fold in one measured optimizer step.
 
         Args:
             small_sq: Mean squared norm of the micro-batch gradients (each the gradient of its micro-batch's mean).
             big_sq: Squared norm of the step's gradient, the gradient of the mean over the big batch.
             inverse_small_batch: ``mean(1 / b_i)`` over the micro-batches, ``b_i`` their items (samples or tokens).
             big_batch: Items in the big batch.
+            steps: Optimizer steps since the previous measurement: the averages decay by ``decay ** steps``.
 
         Returns:
             The smoothed estimates, or ``None`` when the step carries no information (one micro-batch only) or a
@@ -92,24 +96,27 @@ class NoiseScaleEstimator:
             return None
         trace = (small_sq - big_sq) / spread
         grad_sq = big_sq - trace / big_batch
-        self._grad_sq = self.decay * self._grad_sq + (1.0 - self.decay) * grad_sq
-        self._trace = self.decay * self._trace + (1.0 - self.decay) * trace
+        kept = self.decay ** max(1, steps)
+        self._grad_sq = kept * self._grad_sq + (1.0 - kept) * grad_sq
+        self._trace = kept * self._trace + (1.0 - kept) * trace
+        self._weight = kept * self._weight + (1.0 - kept)
         self._updates += 1
         return self.estimate
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
         """The current bias-corrected estimates."""
-        correction = 1.0 - self.decay**self._updates if self._updates else 1.0
+        correction = self._weight if self._updates else 1.0
         grad_sq, trace = self._grad_sq / correction, self._trace / correction
         return NoiseScaleEstimate(grad_sq, trace, trace / grad_sq if grad_sq > 0 else None)
 
     def state_dict(self) -> dict[str, float]:
         """The moving averages, for checkpoints."""
-        return {"grad_sq": self._grad_sq, "trace": self._trace, "updates": float(self._updates)}
+        return {"grad_sq": self._grad_sq, "trace": self._trace, "weight": self._weight, "updates": float(self._updates)}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self._grad_sq = float(state.get("grad_sq", 0.0))
         self._trace = float(state.get("trace", 0.0))
         self._updates = int(state.get("updates", 0))
+        self._weight = float(state.get("weight", 1.0 - self.decay**self._updates))

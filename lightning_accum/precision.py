@@ -2,9 +2,10 @@
 
 With ``bfloat16`` parameters every backward adds its gradient into a ``bfloat16`` ``.grad``, so a window of ``k``
 micro-batches rounds ``k`` times; the error grows with ``k`` (benchmarks/precision.py). A :class:`WideAccumulator`
-moves each micro-batch's gradient into a ``float32`` buffer right after its backward (``.grad`` is set to None, so
-the next backward writes its gradient alone, exactly), and writes the window's mean back into ``.grad`` once, rounded
-to the parameter's dtype, before the optimizer step.
+moves each micro-batch's gradient into a ``float32`` buffer before the next backward (``.grad`` is set to None, so
+that backward writes its gradient alone, exactly; every ``on_after_backward`` hook still sees the micro-batch's own
+gradient), and writes the window's mean back into ``.grad`` once, rounded to the parameter's dtype, before the
+optimizer step.
 
 Pure (torch only).
 """

@@ -164,15 +164,8 @@ def test_every_state_is_new_containers_of_plain_values():
     (lightning_accum/_resume.py): nothing in it may be a container a feature goes on changing."""
     from tests.helpers import RegressionModule, loader, make_data, trainer
 
-    callback = AccumulationScheduler(
-        {0: 2},
-        normalize_by="sample",
-        noise_scale=True,
-        noise_scale_interval=1,
-        adaptive=True,
-        adaptive_interval=1,
-        lr_scaling="sqrt",
-    )
+    every_window = dict(noise_scale=True, noise_scale_interval=1, adaptive=True, adaptive_interval=1)
+    callback = AccumulationScheduler({0: 2}, normalize_by="sample", lr_scaling="sqrt", **every_window)
     x, y = make_data(32)
     trainer([callback], max_epochs=2).fit(RegressionModule(), loader(x, y, 4))
     first, second = callback.state_dict(), callback.state_dict()

@@ -45,17 +45,21 @@ EXPLICIT = {name: [(0, 0, 3), (1, 0, 3), (1, 3, 3), (1, 6, 2)] for name in ("las
 WINDOWS.update({name: [size for _, _, size in windows] for name, windows in EXPLICIT.items()})
 
 
-def micro_step_indices(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[int]]:
-    """The samples of each micro-step of ``epoch``, both ranks together, in the order Lightning feeds them."""
+def rank_micro_batches(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[list[int]]]:
+    """``[micro-step][rank]``: each rank's micro-batch of ``epoch``, in the order Lightning feeds them."""
     orders = []
     for rank in (0, 1):
         sampler = DistributedSampler(range(num_samples), num_replicas=2, rank=rank, shuffle=True, seed=0)
         sampler.set_epoch(epoch)
         orders.append(list(sampler))
     return [
-        orders[0][j * MICRO_BATCH : (j + 1) * MICRO_BATCH] + orders[1][j * MICRO_BATCH : (j + 1) * MICRO_BATCH]
-        for j in range(MICRO_STEPS_PER_EPOCH)
+        [orders[rank][j * MICRO_BATCH : (j + 1) * MICRO_BATCH] for rank in (0, 1)] for j in range(MICRO_STEPS_PER_EPOCH)
     ]
+
+
+def micro_step_indices(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[int]]:
+    """The samples of each micro-step of ``epoch``, both ranks together, in the order Lightning feeds them."""
+    return [first + second for first, second in rank_micro_batches(epoch, num_samples)]
 
 
 def reference_weights(windows: list[int], name: str = "") -> dict[str, torch.Tensor]:
@@ -148,18 +152,6 @@ def test_the_noise_scale_squares_each_ranks_own_micro_batch_gradients_whatever_t
     assert every["noise_scale"] is not None
     assert every["noise_trace"] == pytest.approx(last["noise_trace"], rel=1e-5)
     assert every["noise_grad_sq"] == pytest.approx(last["noise_grad_sq"], rel=1e-5)
-
-
-def rank_micro_batches(epoch: int, num_samples: int = NUM_SAMPLES) -> list[list[list[int]]]:
-    """``[micro-step][rank]``: the samples of each rank's micro-batch, in the order Lightning feeds them."""
-    orders = []
-    for rank in (0, 1):
-        sampler = DistributedSampler(range(num_samples), num_replicas=2, rank=rank, shuffle=True, seed=0)
-        sampler.set_epoch(epoch)
-        orders.append(list(sampler))
-    return [
-        [orders[rank][j * MICRO_BATCH : (j + 1) * MICRO_BATCH] for rank in (0, 1)] for j in range(MICRO_STEPS_PER_EPOCH)
-    ]
 
 
 def reference_noise_sums(windows: list[int], normalize_by: str, num_samples: int) -> list[tuple[float, float]]:

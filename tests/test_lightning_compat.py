@@ -1358,10 +1358,7 @@ BAR_CASES = pytest.mark.parametrize(
 )
 
 
-@BAR_CASES
-def test_tqdm_progress_bar_ends_at_100_percent(
-    tmp_path, arguments, samples, batch_size, trainer_kwargs, batches_per_epoch
-):
+def _fit_with_a_bar(tmp_path, arguments, samples, batch_size, trainer_kwargs) -> BarSpy:
     x, y = make_data(samples)
     spy = BarSpy()
     fit_trainer = trainer(
@@ -1371,6 +1368,14 @@ def test_tqdm_progress_bar_ends_at_100_percent(
         **trainer_kwargs,
     )
     fit_trainer.fit(RegressionModule(), loader(x, y, batch_size))
+    return spy
+
+
+@BAR_CASES
+def test_tqdm_progress_bar_ends_at_100_percent(
+    tmp_path, arguments, samples, batch_size, trainer_kwargs, batches_per_epoch
+):
+    spy = _fit_with_a_bar(tmp_path, arguments, samples, batch_size, trainer_kwargs)
     assert spy.overruns == []
     assert spy.epoch_ends == [(n, n) for n in batches_per_epoch]
 
@@ -1381,15 +1386,7 @@ def test_tqdm_progress_bar_counts_to_the_epochs_end_from_its_first_frame(
 ):
     """The bar resets its total at each epoch's start to Lightning's count (after this callback's hook): the total
     it shows from then on, before the first batch, is already the one the epoch ends at."""
-    x, y = make_data(samples)
-    spy = BarSpy()
-    fit_trainer = trainer(
-        [AccumulationScheduler(**arguments), TQDMProgressBar(), spy],
-        default_root_dir=tmp_path,
-        enable_progress_bar=True,
-        **trainer_kwargs,
-    )
-    fit_trainer.fit(RegressionModule(), loader(x, y, batch_size))
+    spy = _fit_with_a_bar(tmp_path, arguments, samples, batch_size, trainer_kwargs)
     assert spy.epoch_starts == batches_per_epoch
 
 

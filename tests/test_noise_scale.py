@@ -54,6 +54,27 @@ def test_the_estimator_needs_two_micro_gradients_finite_values_and_a_valid_decay
         AccumulationScheduler({0: 2}, noise_scale="yes")
 
 
+def test_the_averages_decay_per_optimizer_step_whatever_the_sampling():
+    """A measurement k steps after the previous one weighs 1 - decay**k against it: the averages reach back the same
+    number of optimizer steps whether every window is measured or every tenth (per measurement they would lag ten
+    times as far behind a noise scale that grows)."""
+    decay, steps, values = 0.9, [1, 10, 3, 10], [(5.0, 2.0), (7.0, 3.0), (4.0, 1.5), (6.0, 1.0)]
+    estimator = NoiseScaleEstimator(decay)
+    for k, (small, big) in zip(steps, values, strict=True):
+        estimator.update(small, big, 1 / 8, 32, steps=k)
+    weights = [(1 - decay**k) * decay ** sum(steps[i + 1 :]) for i, k in enumerate(steps)]
+    traces = [(small - big) / (1 / 8 - 1 / 32) for small, big in values]
+    grads = [big - trace / 32 for (_, big), trace in zip(values, traces, strict=True)]
+    expected_trace = sum(w * t for w, t in zip(weights, traces, strict=True)) / sum(weights)
+    expected_grad_sq = sum(w * g for w, g in zip(weights, grads, strict=True)) / sum(weights)
+    assert estimator.estimate.trace == pytest.approx(expected_trace, rel=1e-12)
+    assert estimator.estimate.grad_sq == pytest.approx(expected_grad_sq, rel=1e-12)
+    every = NoiseScaleEstimator(decay)  # one measurement per step: the same as before sampling existed
+    for small, big in values:
+        every.update(small, big, 1 / 8, 32)
+    assert every.state_dict()["weight"] == pytest.approx(1 - decay ** len(values))
+
+
 def test_the_logged_noise_scale_converges_to_the_exact_value_on_a_frozen_model(tmp_path):
     x, y = make_data(2048, seed=3)
     exact = exact_noise_scale(x, y)

@@ -5,8 +5,9 @@ A window is measured when the optimizer step it ends in is a multiple of ``inter
 parameter gets a gradient hook (``Tensor.register_hook``): it sees the micro-batch's own gradient before autograd adds
 it to ``.grad`` (and, under DDP, before the all-reduce), squares it, and lets it go. ``.grad`` is never replaced,
 aliased or kept. At the step, the window's mean is squared from ``.grad`` (reduced and normalized, before clipping),
-and the squared norms become the two sums of :mod:`lightning_accum.noise`; on several ranks the micro-batch sums are
-added over the ranks in one all-reduce, so every rank holds the same estimate. On the other windows nothing runs.
+and the squared norms become the two sums of :mod:`lightning_accum.noise`, whose averages decay per optimizer step
+(not per measured window, which would make them lag ``interval`` times as far); on several ranks the micro-batch sums
+are added over the ranks in one all-reduce, so every rank holds the same estimate. On the other windows nothing runs.
 
 Reads ``ctx.items``, ``ctx.window_items`` (item weighting) and ``ctx.log_every`` (the metrics); publishes
 ``ctx.noise_scale`` and ``ctx.noise_batch`` at ``FIT_START`` and at each measured window's ``GRADIENT_READY``.
@@ -56,7 +57,8 @@ class NoiseScale(Feature):
     DDP the small batch is one rank's micro-batch and the big batch the global window.
 
     Args:
-        decay: Decay of the moving averages that smooth the two estimates, per measured window, in ``[0, 1)``.
+        decay: Decay of the moving averages that smooth the two estimates, per optimizer step, in ``[0, 1)``: a
+            measured window ``k`` steps after the previous one weighs ``1 - decay ** k``.
         interval: Measure every ``interval``-th window (by the optimizer step it ends in); ``1`` measures every one.
             Windows whose step is logged are measured too.
 
@@ -89,6 +91,7 @@ class NoiseScale(Feature):
         self.measurement: NoiseMeasurement | None = None  # the latest window's, this fit
         self._warned = False  # whether windows whose gradients came in parts were warned of
         self._batch: tuple[float, int] | None = None  # (items, micro-steps) of the latest measured window
+        self._step = 0  # the optimizer step of the latest measured window
         self._params: list[torch.Tensor] = []  # hooked for the window in progress (empty: not measured)
         self._hooks: list[Any] = []
         self._squares: list[torch.Tensor] | None = None  # the backward in progress's (None: no backward is)
@@ -104,7 +107,7 @@ class NoiseScale(Feature):
     @override
     def reset(self) -> None:
         self._estimator = NoiseScaleEstimator(self._estimator.decay)
-        self.measurement, self._batch = None, None
+        self.measurement, self._batch, self._step = None, None, 0
 
     @override
     def setup(self, ctx: Context) -> None:
@@ -174,8 +177,9 @@ class NoiseScale(Feature):
         # micro-batches' means over every rank
         big = ctx.window_items if ctx.window_items is not None else micro_batches / inverse_small
         self.measurement = NoiseMeasurement(small_sq, big_sq, inverse_small, big, int(bearing))
-        if self._estimator.update(small_sq, big_sq, inverse_small, big) is not None:
-            self._batch = (big, ctx.window.taken)
+        step = ctx.optimizer_steps + 1  # the step this window ends in; the averages decay per step since the last
+        if self._estimator.update(small_sq, big_sq, inverse_small, big, steps=step - self._step) is not None:
+            self._batch, self._step = (big, ctx.window.taken), step
         ctx.noise_scale, ctx.noise_batch = self._estimator.estimate.noise_scale, self._batch
 
     @override
@@ -201,13 +205,15 @@ class NoiseScale(Feature):
     @override
     def state_dict(self) -> dict[str, Any]:
         items, micro_steps = self._batch if self._batch is not None else (None, None)
-        return {**self._estimator.state_dict(), "batch_items": items, "batch_micro_steps": micro_steps}
+        batch = {"batch_items": items, "batch_micro_steps": micro_steps, "step": self._step}
+        return {**self._estimator.state_dict(), **batch}
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._estimator.load_state_dict(state)
         items, micro_steps = state.get("batch_items"), state.get("batch_micro_steps")
         self._batch = None if items is None or micro_steps is None else (float(items), int(micro_steps))
+        self._step = int(state.get("step", 0))
 
 
 def _square(grad: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,7 @@ class AccumulationStrategyMixin:
 
     @property
     def gradient_sync(self) -> GradientSync:
-        """The policy for non-final micro-steps: ``"last"`` or ``"every"``."""
+        """The policy for non-final micro-steps: ``"last"``, ``"every"`` or ``"reduce_scatter"``."""
         return self._gradient_sync
 
     def connect_window(self, ends_window: Callable[[], bool] | None) -> None:

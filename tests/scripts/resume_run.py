@@ -43,11 +43,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "sample_unit": dict(scheduling={0: 1, 24: 3, 100: 2}, unit="sample"),
     "ramp": dict(target_batch_size=16, ramp_start_batch_size=4, ramp_increment=4, ramp_samples=64),
     "lr_warmup": dict(scheduling={0: 2, 3: 4}, unit="step", lr_scaling="sqrt", lr_warmup_steps=3),
-    "noise_scale": dict(scheduling={0: 2}, noise_scale=True, noise_scale_decay=0.5),
+    # every third window measured: measured windows before and after the interruption
+    "noise_scale": dict(scheduling={0: 2}, noise_scale=True, noise_scale_decay=0.5, noise_scale_interval=3),
     "adaptive": dict(
         scheduling={0: 2},
         noise_scale=True,
         noise_scale_decay=0.5,
+        noise_scale_interval=3,
         adaptive=True,
         adaptive_target=64.0,
         adaptive_interval=2,
