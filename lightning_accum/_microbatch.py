@@ -47,14 +47,14 @@ AUTO = "auto"
 class Owner(Protocol):
     """The coordinator's side of the micro-batches of a split loader batch."""
 
-    def micro_batch_started(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
+    def _start_micro_batch(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
         """A micro-batch carrying ``share`` of its loader batch's rows begins.
 
         Returns its items (``None`` when every micro-batch weighs the same) and the share of the loader batch's loss
         its loss is weighed by (``1.0`` where item weighting weighs it).
         """
 
-    def restart_window(self, trainer: Any) -> None:
+    def _restart_window(self, trainer: Any) -> None:
         """Out of memory: drop the window in progress (and what it holds), open one at this loader batch."""
 
 
@@ -166,7 +166,7 @@ class MicroBatcher:
             f" first of a new window, with micro-batches of {self.size} (optimizer step {self._trainer.global_step})"
         )
         assert self._owner is not None
-        self._owner.restart_window(self._trainer)  # drops what the coordinator held of the failed attempt
+        self._owner._restart_window(self._trainer)  # drops what the coordinator held of the failed attempt
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -180,7 +180,7 @@ class MicroBatcher:
         output: Any = None
         for index, part in enumerate(parts):
             weight = (batch_rows(part) or 1) / (rows or 1)
-            items, share = self._owner.micro_batch_started(part, weight)
+            items, share = self._owner._start_micro_batch(part, weight)
             output = self._original(part, *args, **kwargs)
             loss = _loss_of(output)
             if loss is None:

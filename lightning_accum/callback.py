@@ -4,9 +4,9 @@ This module is the coordinator. It owns the window, the schedule and the loop ro
 closes a window), keeps the position (samples seen, micro-steps), and at each window event updates the
 :class:`~lightning_accum.events.Context` and dispatches the event to the enabled features
 (:mod:`lightning_accum.features`). One micro-step routine serves Lightning's hooks and the micro-batcher alike
-(:meth:`AccumulationScheduler.micro_batch_started`, then Lightning's backward hooks). What it checks before the first
-batch, what the ranks must agree on and what a checkpoint written inside a window holds live in modules of their own
-(``_checks``, ``_ranks``, ``_resume``); the features see the Trainer only through ``_run.TrainerRun``.
+(``_start_micro_batch``, then Lightning's backward hooks). What it checks before the first batch, what the ranks
+must agree on and what a checkpoint written inside a window holds live in modules of their own (``_checks``,
+``_ranks``, ``_resume``); the features see the Trainer only through ``_run.TrainerRun``.
 """
 
 from __future__ import annotations
@@ -251,9 +251,9 @@ class AccumulationScheduler(Callback):
             self._open_window(trainer)
         ctx.window.take(ends_epoch=ends_epoch(trainer, ctx.batch_idx))
         if not self._batcher.installed:  # else each micro-batch starts inside the micro-batcher's training_step
-            self.micro_batch_started(batch)
+            self._start_micro_batch(batch)
 
-    def micro_batch_started(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
+    def _start_micro_batch(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
         """A micro-batch with ``share`` of its loader batch's rows begins: ``(its items, its loss's weight)``.
 
         From ``on_train_batch_start``, or the micro-batcher for each part of a split batch (``_microbatch.Owner``).
@@ -312,7 +312,7 @@ class AccumulationScheduler(Callback):
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
 
-    def restart_window(self, trainer: pl.Trainer) -> None:
+    def _restart_window(self, trainer: pl.Trainer) -> None:
         """Out of memory (``"auto"``): drop the window in progress; this loader batch opens one (``Owner`` protocol)."""
         _drop_unreduced_gradients(trainer)
         ctx = self._ctx

@@ -8,7 +8,9 @@ that no chart overlays quantities whose ranges differ by more than 10x.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -64,7 +66,10 @@ def served(tmp_path_factory):
     trainer([callback], max_epochs=2, logger=logger, log_every_n_steps=1).fit(RegressionModule(), loader(x, y, 4))
     command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", "0", "--host", "127.0.0.1"]
     log = open(logdir / "tensorboard.log", "w+")  # noqa: SIM115 - read while the server runs
-    server = subprocess.Popen(["timeout", "-s", "KILL", "120", *command], stdout=log, stderr=subprocess.STDOUT)
+    # a session of its own: the server is `timeout`'s child, and killing `timeout` alone would leave it running
+    server = subprocess.Popen(
+        ["timeout", "-s", "KILL", "120", *command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         port = None
         deadline = time.monotonic() + 60
@@ -82,7 +87,7 @@ def served(tmp_path_factory):
         tags = set(_get(port, "/data/plugin/scalars/tags")[RUN])  # type: ignore[index]
         yield port, tags
     finally:
-        server.kill()
+        os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
 
