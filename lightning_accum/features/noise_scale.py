@@ -168,7 +168,11 @@ class NoiseScale(Feature):
         if grad.is_sparse:  # an embedding's sparse gradient: its entries, each index once
             grad = grad.coalesce().values()
         flat = grad.reshape(-1) if grad.dtype is torch.float32 else grad.reshape(-1).float()
-        torch.dot(flat, flat, out=self._entries[self._count])  # the parameters lie on one device
+        entry = self._entries[self._count]
+        if flat.device == entry.device:
+            torch.dot(flat, flat, out=entry)
+        else:  # a parameter on another device than the first trainable one
+            entry.copy_(torch.dot(flat, flat))
         self._count += 1
 
     @override
