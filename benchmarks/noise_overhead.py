@@ -5,8 +5,9 @@
 A model where backward dominates (an MLP of 4 layers of width 1024 on micro-batches of 64, factor 4) is trained with
 ``AccumulationScheduler({0: 4}, noise_scale=...)`` in alternating rounds, on and off, after a warm-up, so that drift
 of the machine hits both alike; the ratio is taken round by round (on / off) and its median reported with its
-range, since a 2-core machine's round times drift by 20%. Both runs log nothing, so the difference
-is the parameter hooks (one squared norm per gradient and micro-batch) and the once-per-step reduction.
+range, since a 2-core machine's round times drift by 20%. Both runs log nothing, so the difference is the noise
+scale's default sampling: on every 10th window, the parameter hooks (one squared norm per gradient and micro-batch)
+and the once-per-step reduction; nothing on the others.
 """
 
 from __future__ import annotations
