@@ -1381,7 +1381,7 @@ def test_tqdm_progress_bar_ends_at_100_percent(
 
 
 @BAR_CASES
-def test_tqdm_progress_bar_counts_to_the_epochs_end_from_its_first_frame(
+def test_tqdm_progress_bar_counts_to_the_epochs_end_before_its_first_batch(
     tmp_path, arguments, samples, batch_size, trainer_kwargs, batches_per_epoch
 ):
     """The bar resets its total at each epoch's start to Lightning's count (after this callback's hook): the total

@@ -5,7 +5,8 @@ counting each as one batch: under accumulation the bar overruns (``10/9`` ... ``
 ``max_steps`` falls in the middle of an epoch. At each epoch's start, at the first window of an epoch resumed in its
 middle, and whenever adaptive growth raises the factor, this feature computes how many micro-batches the epoch will
 run (to its end or to ``max_steps``, whichever comes first, with the schedule's factor at each window) and asks for
-that total (``ctx.run.set_progress_total``), so every epoch's bar counts to exactly 100% from its first frame.
+that total (``ctx.run.set_progress_total``), so every epoch's bar shows the total it ends at
+before its first batch and counts to exactly 100%.
 
 Reads ``ctx.schedule`` and ``ctx.factor_floor``.
 """
