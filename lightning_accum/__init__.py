@@ -6,6 +6,7 @@ from lightning_accum.manual import ManualAccumulation, MicroStep
 from lightning_accum.strategies import (
     AccumulationStrategyMixin,
     DDPAccumulationStrategy,
+    DeepSpeedAccumulationStrategy,
     FSDPAccumulationStrategy,
     ModelParallelAccumulationStrategy,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "AccumulationScheduler",
     "AccumulationStrategyMixin",
     "DDPAccumulationStrategy",
+    "DeepSpeedAccumulationStrategy",
     "FSDPAccumulationStrategy",
     "ManualAccumulation",
     "MicroStep",

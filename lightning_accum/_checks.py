@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -41,9 +41,14 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
             f" {trainer.accumulate_grad_batches}}})"
         )
     if trainer.strategy.handles_gradient_accumulation:
+        instead = (
+            "use lightning_accum.DeepSpeedAccumulationStrategy (same arguments)"
+            if isinstance(trainer.strategy, DeepSpeedStrategy)
+            else "use its own accumulation setting instead"
+        )
         raise ValueError(
-            f"`{type(trainer.strategy).__name__}` accumulates gradients by itself (as DeepSpeed does), so"
-            " AccumulationScheduler cannot control its windows: use its own accumulation setting instead"
+            f"`{type(trainer.strategy).__name__}` accumulates gradients by itself with one fixed factor, so"
+            f" AccumulationScheduler cannot control its windows: {instead}"
         )
     if not pl_module.automatic_optimization:
         raise ValueError(

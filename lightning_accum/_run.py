@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from lightning_accum.events import Context, DataParallel, Run
+from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_modules
 
@@ -78,12 +79,15 @@ class TrainerRun(Run):
             wrapper = "fsdp1"
         elif fsdp2_modules(model):
             wrapper = "fsdp2"
+        elif isinstance(strategy, DeepSpeedAccumulationStrategy):
+            wrapper = "deepspeed"
         return DataParallel(
             wrapper=wrapper,
             strategy=type(strategy).__name__,
             gradient_sync=strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else None,
             static_graph=bool(getattr(model, "static_graph", False)),
             shards_parameters=isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)),
+            zero_stage=strategy.zero_stage if wrapper == "deepspeed" else None,
         )
 
     def loss_scale(self) -> float | None:  # noqa: D102

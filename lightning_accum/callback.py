@@ -40,6 +40,7 @@ from lightning_accum.features import (
 )
 from lightning_accum.precision import check_grad_accum_dtype
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
+from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy, updating_optimizer
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.window import Window
 
@@ -213,7 +214,7 @@ class AccumulationScheduler(Callback):
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         if trainer.ckpt_path is not None and not self._resume.restored and trainer.global_step > 0:
             ctx.micro_steps, ctx.samples_seen = count_from_the_loop(trainer, ctx.samples_per_micro_step)
-        ctx.optimizers, ctx.optimizer_steps = list(trainer.optimizers), trainer.global_step
+        ctx.optimizers, ctx.optimizer_steps = [updating_optimizer(o) for o in trainer.optimizers], trainer.global_step
         ctx.schedule, ctx.factor, ctx.summary = self._schedule, scheduled_factor(trainer, self._schedule, ctx), []
         self._features.dispatch(Event.FIT_START, ctx)
         self._features.settle()  # the features this fit gives nothing to do leave the window events
@@ -282,10 +283,9 @@ class AccumulationScheduler(Callback):
             return
         ctx = self._ctx
         # the gradient holds sum(grad_i) / size; only an epoch of unknown length ends a window before it is full
-        ctx.optimizer, ctx.gradient_scale = optimizer, ctx.window.gradient_correction
+        ctx.optimizer, ctx.gradient_scale = updating_optimizer(optimizer), ctx.window.gradient_correction
         self._features.dispatch(Event.WINDOW_CLOSING, ctx)
-        if ctx.gradient_scale != 1.0:
-            _scale_gradients(optimizer, ctx.gradient_scale)
+        _scale_gradients(trainer, optimizer, ctx.gradient_scale)
         self._features.dispatch(Event.GRADIENT_READY, ctx)
 
     @override
@@ -427,7 +427,12 @@ def _drop_unreduced_gradients(trainer: pl.Trainer) -> None:
         trainer.strategy.drop_unreduced_gradients()
 
 
-def _scale_gradients(optimizer: Any, scale: float) -> None:
+def _scale_gradients(trainer: pl.Trainer, optimizer: Any, scale: float) -> None:
+    if isinstance(trainer.strategy, DeepSpeedAccumulationStrategy):  # ZeRO holds the window's gradient, not `.grad`
+        trainer.strategy.scale_window_gradients(optimizer, scale)
+        return
+    if scale == 1.0:
+        return
     with torch.no_grad():
         for group in optimizer.param_groups:
             for param in group["params"]:

@@ -81,13 +81,15 @@ class DataParallel:
     Attributes:
         wrapper: What reduces the gradients: ``"none"`` (one process, or a strategy with no gradient communication of
             its own), ``"ddp"`` (``DistributedDataParallel``), ``"fsdp1"`` (``FullyShardedDataParallel``) or
-            ``"fsdp2"`` (modules with ``fully_shard`` applied).
+            ``"fsdp2"`` (modules with ``fully_shard`` applied) or ``"deepspeed"`` (a ``DeepSpeedEngine``, which holds
+            the window's gradient itself, partitioned from ZeRO stage 2 on).
         strategy: The strategy's class name, for messages.
         gradient_sync: The policy of an :class:`~lightning_accum.AccumulationStrategyMixin` strategy (``"last"``,
             ``"every"``, ``"reduce_scatter"``); ``None`` under a stock strategy.
         static_graph: Whether DDP was built with ``static_graph=True``.
         shards_parameters: Whether the strategy shards parameters (FSDP, ``ModelParallelStrategy``): a gradient hook
             then sees a shard, not a micro-batch's gradient.
+        zero_stage: The ZeRO stage under DeepSpeed, else ``None``.
     """
 
     wrapper: str = "none"
@@ -95,6 +97,7 @@ class DataParallel:
     gradient_sync: str | None = None
     static_graph: bool = False
     shards_parameters: bool = False
+    zero_stage: int | None = None
 
 
 class Run:

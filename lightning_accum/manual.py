@@ -19,11 +19,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_accum._loop import ends_epoch
 from lightning_accum.schedule import Schedule, check_int
+from lightning_accum.strategies.deepspeed import zero_stage
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_pending_gradients
 from lightning_accum.window import Window
@@ -136,6 +137,13 @@ class ManualAccumulation:
                 "ManualAccumulation.micro_step is for manual optimization, but the module has"
                 " `automatic_optimization = True`: set `self.automatic_optimization = False` in `__init__`, or drop"
                 " ManualAccumulation and add `AccumulationScheduler` to the Trainer's callbacks"
+            )
+        if isinstance(trainer.strategy, DeepSpeedStrategy):
+            raise ValueError(
+                f"ManualAccumulation is not supported under {type(trainer.strategy).__name__} (ZeRO stage"
+                f" {zero_stage(trainer.strategy)}): DeepSpeed keeps the window's gradient in its own partitions, where"
+                " the window cannot check or correct it. Use automatic"
+                " optimization with AccumulationScheduler and DeepSpeedAccumulationStrategy"
             )
         if self._active:
             raise RuntimeError(

@@ -224,3 +224,25 @@ def test_the_tqdm_bar_resets_its_total_in_its_own_epoch_start_hook_which_runs_af
     fit.callbacks.append(After())
     fit.fit(RegressionModule(), loader(x, y, 4))
     assert seen == [("before", True), ("after", 4)]  # the bar's reset replaced the value set before it
+
+
+def test_the_deepspeed_strategy_methods_overridden_for_cpu_and_accumulation_keep_their_signatures():
+    """DeepSpeedAccumulationStrategy overrides these private methods of Lightning's DeepSpeedStrategy: if their
+    signatures or roles change, the overrides must be revisited (lightning_accum/strategies/deepspeed.py)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    assert list(inspect.signature(DeepSpeedStrategy._format_batch_size_and_grad_accum_config).parameters) == ["self"]
+    assert list(inspect.signature(DeepSpeedStrategy._setup_model_and_optimizer).parameters) == [
+        "self",
+        "model",
+        "optimizer",
+        "lr_scheduler",
+    ]
+    assert list(inspect.signature(DeepSpeedStrategy._init_deepspeed_distributed).parameters) == ["self"]
+    # Lightning writes the Trainer's factor into the config there, and refuses a config that sets it
+    source = inspect.getsource(DeepSpeedStrategy._format_batch_size_and_grad_accum_config)
+    assert 'self.config["gradient_accumulation_steps"] = self.lightning_module.trainer.accumulate_grad_batches' in (
+        source
+    )
+    # and passes `root_device.index` (None on CPU) to deepspeed.initialize, which the override replaces
+    assert "device_rank=self.root_device.index" in inspect.getsource(DeepSpeedStrategy._setup_model_and_optimizer)

@@ -115,10 +115,13 @@ class NoiseScale(Feature):
 
     @override
     def setup(self, ctx: Context) -> None:
-        if ctx.run.data_parallel.shards_parameters:
+        parallel = ctx.run.data_parallel
+        if parallel.wrapper == "deepspeed" or parallel.shards_parameters:
+            deepspeed = f"(ZeRO stage {parallel.zero_stage}) reduces inside its own step"
             raise ValueError(
-                f"`noise_scale=True` reads each micro-batch's full gradient, which {ctx.run.data_parallel.strategy}"
-                " shards: use it with a single device or DDP, or set noise_scale=False"
+                f"`noise_scale=True` reads each micro-batch's full gradient, which {parallel.strategy}"
+                f" {deepspeed if parallel.wrapper == 'deepspeed' else 'shards'}: use it with a single device or DDP, or"
+                " set noise_scale=False"
             )
 
     @override

@@ -77,6 +77,12 @@ class WideAccumulation(Feature):
                 return
             if not narrow:
                 return
+            if parallel.wrapper == "deepspeed":
+                raise ValueError(
+                    f"DeepSpeed (ZeRO stage {parallel.zero_stage}) accumulates the gradients of {narrow[0].dtype}"
+                    " parameters itself, in the dtype of its config's `data_types.grad_accum_dtype` (DeepSpeed takes"
+                    " fp32 there for bf16 parameters at ZeRO stage 1 only): set grad_accum_dtype=None here"
+                )
             if parallel.wrapper in ("ddp", "fsdp1"):
                 self._check_ddp(parallel)
                 self._reduces = True

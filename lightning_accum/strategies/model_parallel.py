@@ -13,7 +13,7 @@ class ModelParallelAccumulationStrategy(AccumulationStrategyMixin, ModelParallel
     Stock ``ModelParallelStrategy`` never tells ``fully_shard`` modules to skip their reduction, so with a factor of
     k they reduce-scatter k times per optimizer step. This class sets ``set_requires_gradient_sync(False)`` on the
     non-final micro-steps (``gradient_sync="last"``), or keeps the reduce-scatters and defers only HSDP's all-reduce
-    (``"every"``). Takes every argument of Lightning's
+    (``"reduce_scatter"``). Takes every argument of Lightning's
     ``ModelParallelStrategy``; apply ``fully_shard`` in ``configure_model`` as usual.
 
     Example::

@@ -1,0 +1,198 @@
+"""DeepSpeedAccumulationStrategy: DeepSpeed ZeRO 1-3 with the accumulation windows the callback decides.
+
+Stock Lightning copies ``accumulate_grad_batches`` once into DeepSpeed's ``gradient_accumulation_steps`` and lets
+DeepSpeed count micro-steps (``handles_gradient_accumulation``), so a run gets one fixed factor, and each loss is
+divided twice: by Lightning's automatic loop and again by ``DeepSpeedEngine.backward``. This strategy uses DeepSpeed's
+*unmanaged* accumulation instead (``managed_gradient_accumulation: false``, ``gradient_accumulation_steps: 1``):
+``engine.backward`` only accumulates, and every ``engine.step()`` is one optimizer step over however many micro-batches
+came before it. Lightning's loop (routed to the :class:`~lightning_accum.AccumulationScheduler`'s windows) decides
+where a window ends, as for every other strategy, and divides each loss once, by the window's size.
+
+Unmanaged accumulation keeps DeepSpeed's own machinery right: its loss scaler, gradient clipping and bf16/fp16
+handling run once per optimizer step on the window's gradient, ``global_steps`` counts optimizer steps (it equals
+Lightning's ``global_step``), ``global_samples`` counts the micro-batches really backpropagated, and an LR scheduler
+DeepSpeed owns steps once per optimizer step. The boundary API (``set_gradient_accumulation_boundary``) was not
+chosen: with it DeepSpeed still divides by a fixed ``gradient_accumulation_steps`` and adds a fixed
+``train_batch_size`` to ``global_samples`` whatever the window's size.
+
+On CPU (for testing, with gloo) the three checks Lightning's ``DeepSpeedStrategy`` makes for CUDA are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from torch.optim import Optimizer
+
+_OWNED = ("gradient_accumulation_steps", "train_batch_size")
+
+
+class DeepSpeedAccumulationStrategy(DeepSpeedStrategy):
+    """``DeepSpeedStrategy`` whose optimizer steps fall where the ``AccumulationScheduler``'s windows end.
+
+    Takes every argument of Lightning's ``DeepSpeedStrategy`` (``stage``, ``config``, offloading, ...). The callback
+    owns the accumulation: a DeepSpeed config must not set ``gradient_accumulation_steps`` or ``train_batch_size``
+    (give ``AccumulationScheduler`` a ``scheduling`` or a ``target_batch_size``). ZeRO stages 1-3 are supported;
+    under stages 0 and 1 ``overlap_comm`` is off (DeepSpeed's unmanaged accumulation reduces those stages' gradients
+    in ``step()``, where there is no backward to overlap with). Without an ``AccumulationScheduler`` it accumulates as
+    ``Trainer(accumulate_grad_batches=k)`` says, dividing each loss once.
+
+    Raises:
+        ValueError: If the DeepSpeed config sets ``gradient_accumulation_steps``, ``train_batch_size`` or
+            ``managed_gradient_accumulation``, or asks for ``overlap_comm`` under ZeRO stage 0 or 1.
+
+    Example::
+
+        Trainer(devices=8, precision="bf16-mixed", strategy=DeepSpeedAccumulationStrategy(stage=2),
+                callbacks=[AccumulationScheduler(target_batch_size=1024, normalize_by="token")])
+
+    In YAML::
+
+        trainer:
+          strategy:
+            class_path: lightning_accum.DeepSpeedAccumulationStrategy
+            init_args: {stage: 3, offload_optimizer: true}
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config: dict[str, Any] = copy.deepcopy(self.config or {})  # Lightning keeps the user's dict, and changes it
+        self.config = config
+        for key in (*_OWNED, "managed_gradient_accumulation"):
+            if key in config:
+                raise ValueError(
+                    f"The DeepSpeed config sets {key!r} ({config[key]!r}), but with DeepSpeedAccumulationStrategy"
+                    " the AccumulationScheduler owns accumulation: remove it, and give the factor as"
+                    " AccumulationScheduler(scheduling=...) or the global batch as target_batch_size=..."
+                )
+        zero = config.get("zero_optimization") or {}
+        if zero.get("stage", 0) < 2 and zero.get("overlap_comm"):
+            if "config" in kwargs or kwargs.get("overlap_comm"):  # the user asked for it
+                raise ValueError(
+                    f"overlap_comm=True under ZeRO stage {zero.get('stage', 0)}: DeepSpeed's unmanaged accumulation"
+                    " reduces this stage's gradients in step(), after the last backward, so there is nothing to"
+                    " overlap: set overlap_comm to false (or use stage 2 or 3)"
+                )
+            zero["overlap_comm"] = False  # Lightning's default, which DeepSpeed refuses here
+        config["managed_gradient_accumulation"] = False
+        self._scaled: tuple[Any, float] | None = None  # (optimizer, scale) for the step in progress
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        """``False``: Lightning's loop (and so the ``AccumulationScheduler``) decides where windows end."""
+        return False
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of the DeepSpeed config (0 without ``zero_optimization``)."""
+        return zero_stage(self)
+
+    def setup_environment(self) -> None:
+        """Lightning's set-up, without its refusal of CPU (DeepSpeed runs on CPU with gloo, for testing)."""
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_environment()
+        else:
+            DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        """Lightning's set-up; on CPU without its check that devices are CUDA indices."""
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        super()._format_batch_size_and_grad_accum_config()  # sets the steps from the Trainer: one step per step()
+        assert self.config is not None, "__init__ set it"
+        self.config["gradient_accumulation_steps"] = 1
+
+    def _setup_model_and_optimizer(
+        self, model: torch.nn.Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Any]:
+        import deepspeed
+
+        # Lightning passes `root_device.index`, which is None on CPU: DeepSpeed then wants the local rank
+        index = self.root_device.index
+        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank if index is None else index),
+            config=self.config,
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, deepspeed_optimizer
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: unmanaged accumulation reduces in ``step()`` (stages 0-1) or per backward (stages 2-3).
+
+        Lightning's own version enters ``DeepSpeedEngine.no_sync()``, which ZeRO stages 2 and 3 refuse.
+        """
+        yield
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Backpropagate through DeepSpeed, which accumulates without dividing (the loop divided the loss once)."""
+        return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
+
+    def scale_window_gradients(self, optimizer: Any, scale: float) -> None:
+        """Multiply the window's gradient by ``scale`` in the optimizer step about to run, before DeepSpeed clips it.
+
+        ZeRO's optimizers divide the gradient by their loss scale just before clipping and the update, so the scale
+        is folded into that divisor for this step only (and any change DeepSpeed's dynamic scaler makes is kept).
+        Without ZeRO, the local gradients are scaled before DeepSpeed all-reduces them.
+
+        Raises:
+            ValueError: If the optimizer's loss scale is one DeepSpeed does not let the caller set.
+        """
+        if scale == 1.0:
+            return
+        if not hasattr(optimizer, "loss_scale") or getattr(optimizer, "custom_loss_scaler", False):
+            if isinstance(optimizer, Optimizer):  # ZeRO stage 0: plain torch optimizer on the model's parameters
+                assert self.lightning_module is not None, "set up before the first step"
+                with torch.no_grad():
+                    for param in self.lightning_module.parameters():
+                        if param.grad is not None:
+                            param.grad.mul_(scale)
+                return
+            raise ValueError(
+                f"{type(optimizer).__name__} has no loss scale DeepSpeedAccumulationStrategy can set, so the window's"
+                " gradient cannot be corrected: use normalize_by='micro_batch' and an epoch of known length"
+            )
+        optimizer.loss_scale = optimizer.loss_scale / scale
+        self._scaled = (optimizer, scale)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """DeepSpeed's step, with the optimizer's loss scale given back after it."""
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            if self._scaled is not None:
+                scaled, scale = self._scaled
+                scaled.loss_scale = scaled.loss_scale * scale
+                self._scaled = None
+
+
+def zero_stage(strategy: DeepSpeedStrategy) -> int:
+    """The ZeRO stage of a DeepSpeed strategy's config (0 without ``zero_optimization``)."""
+    return int(((strategy.config or {}).get("zero_optimization") or {}).get("stage", 0))
+
+
+def updating_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim.Optimizer`` that updates the weights: DeepSpeed's ZeRO wrappers hold it as ``.optimizer``."""
+    inner = getattr(optimizer, "optimizer", None)
+    if not isinstance(optimizer, Optimizer) and isinstance(inner, Optimizer):
+        return inner
+    return optimizer
