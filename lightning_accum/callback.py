@@ -423,7 +423,7 @@ def _accumulation_dtype(value: object) -> tuple[torch.dtype, bool]:
 
 def _drop_unreduced_gradients(trainer: pl.Trainer) -> None:
     """A window abandoned before its end: the strategy forgets what it kept for a reduction that will not come."""
-    if isinstance(trainer.strategy, AccumulationStrategyMixin):
+    if isinstance(trainer.strategy, (AccumulationStrategyMixin, DeepSpeedAccumulationStrategy)):
         trainer.strategy.drop_unreduced_gradients()
 
 

@@ -38,6 +38,7 @@ WINDOWS = {
     "lr_sqrt": [2, 2, 2, 2, 4, 4],
     "split_k3": [3, 3, 2, 3, 3, 2],  # loader batches of 4 split in micro-batches of 2
     "plain_k2": [2] * 8,
+    "last_cut": [3, 3, 3, 2],  # epoch 0: one window, then one micro-step of a window that is dropped
 }
 
 
@@ -90,7 +91,7 @@ def _deviation(weights: dict[str, list[float]], reference: dict[str, torch.Tenso
     return max((torch.tensor(weights[name]) - reference[name].flatten()).abs().max().item() for name in reference)
 
 
-RUNS = [(stage, name) for stage in (1, 2, 3) for name in ("k3", "step_schedule", "token_k3")]
+RUNS = [(stage, name) for stage in (1, 2, 3) for name in ("k3", "step_schedule", "token_k3", "last_cut")]
 RUNS += [(2, name) for name in ("ramp", "split_k3", "plain_k2")]
 
 
@@ -103,9 +104,10 @@ def test_every_stage_ends_at_the_big_batch_weights_with_the_steps_the_schedule_i
         assert "raised" not in record, record.get("raised")
         assert record["optimizer_steps"] == len(windows)
         assert record["ds_global_steps"] == record["optimizer_steps"]  # DeepSpeed's count is Lightning's
-    # DeepSpeed counts the samples of every backward: 2 ranks x 4 per loader batch (a split batch counts its parts)
-    parts = 2 if name == "split_k3" else 1
-    assert first["ds_global_samples"] == 2 * 4 * sum(windows) * parts
+    # DeepSpeed counts the samples of every backward, 2 ranks x 4 a loader batch (a split batch's parts each, and a
+    # dropped window's, as DeepSpeed counts those of a step it skips on overflow)
+    backwards = sum(windows) * (2 if name == "split_k3" else 1) + (1 if name == "last_cut" else 0)  # + the dropped
+    assert first["ds_global_samples"] == 2 * 4 * backwards
     assert _deviation(first["weights"], big_batch_weights(windows, name)) <= 1e-5
 
 
@@ -118,6 +120,17 @@ def test_the_metrics_log_each_windows_factor_and_samples_at_its_step(launched, s
     assert [float(row["accum/effective_batch_size"]) for row in rows] == [2 * 4 * size for size in windows]
     assert [float(row["accum/samples_seen"]) for row in rows] == [2 * 4 * sum(windows[: i + 1]) for i in range(6)]
     assert [float(row["accum/optimizer_steps"]) for row in rows] == list(range(1, len(windows) + 1))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3], ids=["zero1", "zero2", "zero3"])
+def test_validate_after_the_fit_runs_deepspeeds_inference_engine_on_the_trained_weights(launched, stage):
+    record = _records(launched / f"zero{stage}", "k3")[0]
+    reference = make_net()
+    reference.load_state_dict(big_batch_weights(WINDOWS["k3"], "k3"))
+    x, y = make_data(NUM_SAMPLES)
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(reference(x), y).item()  # every sample once, 32 a rank in batches of 4
+    assert record["val_loss"] == pytest.approx(expected, abs=1e-5)
 
 
 def test_each_loss_is_divided_once_where_stock_lightning_divides_it_twice(launched):
@@ -219,6 +232,13 @@ def test_a_config_that_sets_the_accumulation_is_refused_and_left_unchanged(confi
         " AccumulationScheduler(scheduling=...) or the global batch as target_batch_size=..."
     )
     assert given == kept
+
+
+def test_a_config_that_already_says_unmanaged_accumulation_is_taken():
+    strategy = DeepSpeedAccumulationStrategy(
+        config={"zero_optimization": {"stage": 2}, "managed_gradient_accumulation": False}
+    )
+    assert strategy.config["managed_gradient_accumulation"] is False
 
 
 def test_overlap_comm_is_off_under_stage_1_unless_asked_for():
@@ -325,3 +345,14 @@ def test_deepspeed_unmanaged_accumulation_and_settable_loss_scales_are_there():
         assert isinstance(scale, property)
         assert scale.fset is not None  # the window's correction is folded in there
         assert "combined_scale = self.loss_scale" in inspect.getsource(inspect.getmodule(optimizer))
+    # a dropped window: ZeRO-2 keeps reduced gradients where only step() (or its overflow path) clears them, and the
+    # strategy clears the same ones
+    zero = inspect.getsource(inspect.getmodule(DeepSpeedZeroOptimizer))
+    for cleared in (
+        "self._release_preflattened_grad_buffers()",
+        "self.reset_cpu_buffers()",
+        "self.averaged_gradients[k] = None",
+        "self.all_grad_tensors[k] = None",
+        "self.micro_step_id = INITIAL_MICRO_STEP_ID",
+    ):
+        assert cleared in zero

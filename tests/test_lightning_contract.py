@@ -244,5 +244,9 @@ def test_the_deepspeed_strategy_methods_overridden_for_cpu_and_accumulation_keep
     assert 'self.config["gradient_accumulation_steps"] = self.lightning_module.trainer.accumulate_grad_batches' in (
         source
     )
-    # and passes `root_device.index` (None on CPU) to deepspeed.initialize, which the override replaces
-    assert "device_rank=self.root_device.index" in inspect.getsource(DeepSpeedStrategy._setup_model_and_optimizer)
+    # and passes `root_device.index` (None on CPU) to `deepspeed.initialize`, looked up on the module as it is called
+    # (the strategy swaps it for one that passes the local rank, for that call only)
+    for method in (DeepSpeedStrategy._setup_model_and_optimizer, DeepSpeedStrategy._initialize_deepspeed_inference):
+        source = inspect.getsource(method)
+        assert "deepspeed.initialize(\n" in source
+        assert "args=argparse.Namespace(device_rank=self.root_device.index)" in source

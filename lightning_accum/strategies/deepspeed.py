@@ -34,7 +34,64 @@ from torch.optim import Optimizer
 _OWNED = ("gradient_accumulation_steps", "train_batch_size")
 
 
-class DeepSpeedAccumulationStrategy(DeepSpeedStrategy):
+class _DeepSpeedOnCPU(DeepSpeedStrategy):
+    """Lightning's ``DeepSpeedStrategy`` without its three refusals of CPU (DeepSpeed runs there with gloo, for tests).
+
+    Lightning checks for a CUDA accelerator in ``setup_environment`` and for CUDA device indices in
+    ``setup_distributed``, and passes ``root_device.index`` (None on CPU) as DeepSpeed's ``device_rank``; on CUDA
+    nothing changes.
+    """
+
+    def setup_environment(self) -> None:
+        """Lightning's set-up, without its refusal of CPU (DeepSpeed runs on CPU with gloo, for testing)."""
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_environment()
+        else:
+            DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        """Lightning's set-up; on CPU without its check that devices are CUDA indices."""
+        if isinstance(self.accelerator, CUDAAccelerator):
+            super().setup_distributed()
+            return
+        from lightning.fabric.utilities.seed import reset_seed
+
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(
+        self, model: torch.nn.Module, optimizer: Optimizer | None, lr_scheduler: Any = None
+    ) -> tuple[Any, Any]:
+        with self._device_rank():
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+
+    def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
+        with self._device_rank():
+            super()._initialize_deepspeed_inference(model)
+
+    @contextmanager
+    def _device_rank(self) -> Generator[None, None, None]:
+        """On CPU, give ``deepspeed.initialize`` the local rank where Lightning passes ``root_device.index`` (None)."""
+        import deepspeed
+
+        initialize = deepspeed.initialize
+        if self.root_device.index is not None:
+            yield
+            return
+
+        def on_local_rank(*args: Any, **kwargs: Any) -> Any:
+            kwargs["args"] = argparse.Namespace(device_rank=self.local_rank)
+            return initialize(*args, **kwargs)
+
+        deepspeed.initialize = on_local_rank
+        try:
+            yield
+        finally:
+            deepspeed.initialize = initialize
+
+
+class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
     """``DeepSpeedStrategy`` whose optimizer steps fall where the ``AccumulationScheduler``'s windows end.
 
     Takes every argument of Lightning's ``DeepSpeedStrategy`` (``stage``, ``config``, offloading, ...). The callback
@@ -45,8 +102,8 @@ class DeepSpeedAccumulationStrategy(DeepSpeedStrategy):
     ``Trainer(accumulate_grad_batches=k)`` says, dividing each loss once.
 
     Raises:
-        ValueError: If the DeepSpeed config sets ``gradient_accumulation_steps``, ``train_batch_size`` or
-            ``managed_gradient_accumulation``, or asks for ``overlap_comm`` under ZeRO stage 0 or 1.
+        ValueError: If the DeepSpeed config sets ``gradient_accumulation_steps`` or ``train_batch_size``, or turns
+            ``managed_gradient_accumulation`` on, or asks for ``overlap_comm`` under ZeRO stage 0 or 1.
 
     Example::
 
@@ -66,7 +123,7 @@ class DeepSpeedAccumulationStrategy(DeepSpeedStrategy):
         config: dict[str, Any] = copy.deepcopy(self.config or {})  # Lightning keeps the user's dict, and changes it
         self.config = config
         for key in (*_OWNED, "managed_gradient_accumulation"):
-            if key in config:
+            if key in config and not (key == "managed_gradient_accumulation" and config[key] is False):
                 raise ValueError(
                     f"The DeepSpeed config sets {key!r} ({config[key]!r}), but with DeepSpeedAccumulationStrategy"
                     " the AccumulationScheduler owns accumulation: remove it, and give the factor as"
@@ -94,46 +151,10 @@ class DeepSpeedAccumulationStrategy(DeepSpeedStrategy):
         """The ZeRO stage of the DeepSpeed config (0 without ``zero_optimization``)."""
         return zero_stage(self)
 
-    def setup_environment(self) -> None:
-        """Lightning's set-up, without its refusal of CPU (DeepSpeed runs on CPU with gloo, for testing)."""
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_environment()
-        else:
-            DDPStrategy.setup_environment(self)
-
-    def setup_distributed(self) -> None:
-        """Lightning's set-up; on CPU without its check that devices are CUDA indices."""
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_distributed()
-            return
-        from lightning.fabric.utilities.seed import reset_seed
-
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
-
     def _format_batch_size_and_grad_accum_config(self) -> None:
         super()._format_batch_size_and_grad_accum_config()  # sets the steps from the Trainer: one step per step()
         assert self.config is not None, "__init__ set it"
         self.config["gradient_accumulation_steps"] = 1
-
-    def _setup_model_and_optimizer(
-        self, model: torch.nn.Module, optimizer: Optimizer | None, lr_scheduler: Any = None
-    ) -> tuple[Any, Any]:
-        import deepspeed
-
-        # Lightning passes `root_device.index`, which is None on CPU: DeepSpeed then wants the local rank
-        index = self.root_device.index
-        engine, deepspeed_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank if index is None else index),
-            config=self.config,
-            model=model,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        return engine, deepspeed_optimizer
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -183,6 +204,26 @@ class DeepSpeedAccumulationStrategy(DeepSpeedStrategy):
                 scaled, scale = self._scaled
                 scaled.loss_scale = scaled.loss_scale * scale
                 self._scaled = None
+
+    def drop_unreduced_gradients(self) -> None:
+        """Forget the gradient of a window abandoned before its end (an epoch cut short, a fit that raised).
+
+        Under ZeRO stage 2 DeepSpeed keeps each backward's reduced gradient in its partitions until ``step()``, and
+        ``zero_grad`` does not reach them: they are dropped as DeepSpeed drops them itself after an overflow.
+        """
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
+
+        optimizer = self.optimizers[0] if self.optimizers else None
+        if not isinstance(optimizer, DeepSpeedZeroOptimizer):  # stage 3 and no ZeRO: zero_grad clears them
+            return
+        optimizer.zero_grad(set_to_none=True)
+        optimizer._release_preflattened_grad_buffers()
+        if optimizer.cpu_offload:
+            optimizer.reset_cpu_buffers()
+        for group in optimizer.averaged_gradients:
+            optimizer.averaged_gradients[group] = None
+            optimizer.all_grad_tensors[group] = None
+        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
 
 
 def zero_stage(strategy: DeepSpeedStrategy) -> int:

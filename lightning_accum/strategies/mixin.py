@@ -124,7 +124,7 @@ class AccumulationStrategyMixin:
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip (``"last"``) or defer (``"reduce_scatter"``: HSDP's all-reduce) communication for a non-final micro-step.
+        """Skip (``"last"``) or defer (``"reduce_scatter"``: HSDP's all-reduce) gradient sync on a non-final micro-step.
 
         Raises:
             RuntimeError: If the connected accumulation window says this micro-step ends the window: its gradients

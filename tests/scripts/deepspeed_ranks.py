@@ -23,7 +23,6 @@ import deepspeed.ops
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_ranks import NUM_SAMPLES, Regression, make_data  # noqa: E402
 
 from lightning_accum import AccumulationScheduler, DeepSpeedAccumulationStrategy, ManualAccumulation  # noqa: E402
+from lightning_accum.strategies.deepspeed import _DeepSpeedOnCPU  # noqa: E402
 from tests.helpers import DictDataset, ResumableLoader, make_tokens  # noqa: E402
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # plain gloo, no C++ build
@@ -39,12 +39,8 @@ MID_WINDOW = (1, 4)  # (epoch, batch) inside a window of factor 3 (windows start
 BOUNDARY_STEP = 4  # a checkpoint written as this optimizer step ends
 
 
-class StockOnCPU(DeepSpeedStrategy):
+class StockOnCPU(_DeepSpeedOnCPU):
     """Lightning's own DeepSpeedStrategy, with only its three refusals of CPU lifted (to show its double division)."""
-
-    setup_environment = DeepSpeedAccumulationStrategy.setup_environment
-    setup_distributed = DeepSpeedAccumulationStrategy.setup_distributed
-    _setup_model_and_optimizer = DeepSpeedAccumulationStrategy._setup_model_and_optimizer
 
 
 class Checkpoints(pl.Callback):
@@ -62,6 +58,11 @@ class Checkpoints(pl.Callback):
         if self.kill and position == (MID_WINDOW[0], MID_WINDOW[1] + 1):  # still inside the window
             trainer.strategy.barrier()
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Validated(Regression):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)
 
 
 def full_weights(module: torch.nn.Module) -> dict[str, list[float]]:
@@ -95,7 +96,11 @@ def fit(stage: int, name: str, out: Path, ckpt_path: str | None = None, **option
         enable_model_summary=False,
         **trainer_args,
     )
-    model = Regression(shard=False, manual=manual)
+    cut_at = options.pop("cut_at", None)  # on_train_batch_start returns -1 there: the epoch ends in a window
+    validate = options.pop("validate", False)  # trainer.validate after the fit (DeepSpeed's inference engine)
+    model = (Validated if validate else Regression)(
+        shard=False, manual=manual, cut_at=None if cut_at is None else tuple(cut_at)
+    )
     data: Any = DictDataset(make_tokens(NUM_SAMPLES)) if options.pop("tokens", False) else TensorDataset(*make_data())
     record: dict[str, Any] = {}
     try:
@@ -111,13 +116,19 @@ def fit(stage: int, name: str, out: Path, ckpt_path: str | None = None, **option
     }
     if "raised" not in record:
         record["weights"] = full_weights(model.net)  # a collective under ZeRO-3: every rank takes part
+    if validate:
+        (metrics,) = trainer.validate(model, ResumableLoader(data, batch_size=4), verbose=False)
+        record["val_loss"] = metrics["val_loss"]
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 CONFIGS: dict[str, dict[str, Any]] = {
-    "k3": {"args": {"scheduling": {0: 3}}, "csv": True},  # each epoch's last window holds the 2 micro-steps left
+    # each epoch's last window holds the 2 micro-steps left; validated after the fit
+    "k3": {"args": {"scheduling": {0: 3}}, "csv": True, "validate": True},
     "step_schedule": {"args": {"scheduling": {0: 2, 3: 4}, "unit": "step"}},  # factor 4 from the middle of epoch 0
     "token_k3": {"args": {"scheduling": {0: 3}, "normalize_by": "token"}, "tokens": True},
+    # epoch 0 ends one micro-step into its second window: that window is dropped with its gradients
+    "last_cut": {"args": {"scheduling": {0: 3}}, "cut_at": [0, 4]},
 }
 STAGE_2 = {
     # 8 samples a micro-step; the global batch 8 -> 16 -> 24 -> 32, every 16 samples
