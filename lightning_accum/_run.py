@@ -143,5 +143,7 @@ def _set_total(bar: TQDMProgressBar | RichProgressBar, total: int) -> None:
         if bar._train_progress_bar is not None:  # public `train_progress_bar` raises before the epoch starts
             bar.train_progress_bar.total = total
             bar.train_progress_bar.refresh()
-    elif bar.progress is not None and getattr(bar, "train_progress_bar_id", None) is not None:
-        bar.progress.update(bar.train_progress_bar_id, total=total)
+    else:
+        task = getattr(bar, "train_progress_bar_id", None)
+        if bar.progress is not None and task is not None:
+            bar.progress.update(task, total=total)
