@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum._position import count_steps
 from lightning_accum.events import takes_dataloader_iter
@@ -92,12 +94,19 @@ def check_splitting(trainer: pl.Trainer, auto: bool, weighs_items: bool) -> None
 
 
 def warn_at_fit_start(
-    trainer: pl.Trainer, spec: ScheduleSpec, schedule: Schedule, micro_batch_size: int | None, grows: bool
+    trainer: pl.Trainer,
+    spec: ScheduleSpec,
+    schedule: Schedule,
+    micro_batch_size: int | None,
+    grows: bool,
+    splits: bool = False,
 ) -> None:
     """Warn about what the Trainer does under ``schedule``; say how many optimizer steps the run takes.
 
-    At most that many where adaptive growth ``grows`` the factor.
+    At most that many where adaptive growth ``grows`` the factor; ``splits``: loader batches are split.
     """
+    if schedule.max_factor > 1 or grows or splits:
+        _warn_about_batch_norm(trainer.lightning_module)
     batches = trainer.num_training_batches
     if schedule.max_factor > batches:
         rank_zero_warn(
@@ -118,11 +127,38 @@ def warn_at_fit_start(
             f"AccumulationScheduler: {hooks} {'is' if len(overridden) == 1 else 'are'} overridden; under"
             " accumulation they run once per optimizer step (once per window of micro-batches), not on every batch"
         )
+    if not grows and steps == _stepping_batches(trainer):  # the Trainer's own figure is right (a constant factor)
+        return
     rank_zero_info(
         f"AccumulationScheduler: this run takes{' at most' if grows else ''} {steps} optimizer steps;"
         " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
         " `lightning_accum.estimated_stepping_batches(trainer)`."
     )
+
+
+def _warn_about_batch_norm(module: torch.nn.Module) -> None:
+    """BatchNorm layers in training normalize each micro-batch by its own statistics: not what a big batch does."""
+    names = [
+        name or type(layer).__name__
+        for name, layer in module.named_modules()
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, torch.nn.SyncBatchNorm) and layer.training
+    ]
+    if names:
+        shown = ", ".join(f"`{name}`" for name in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        rank_zero_warn(
+            f"AccumulationScheduler: the model's BatchNorm layers ({shown}) normalize each micro-batch with its own"
+            " mean and variance, so a window of several micro-batches does not train as one big batch would"
+            " (BatchNorm statistics do not add up). Use micro-batches large enough for stable statistics, GroupNorm or"
+            " LayerNorm instead, or freeze the BatchNorm layers (`.eval()` on them in `on_train_epoch_start`)"
+        )
+
+
+def _stepping_batches(trainer: pl.Trainer) -> float | None:
+    """``trainer.estimated_stepping_batches``, or ``None`` where Lightning cannot say (it raises for some loaders)."""
+    try:
+        return float(trainer.estimated_stepping_batches)
+    except Exception:  # noqa: BLE001 (Lightning raises MisconfigurationException, ValueError, ...)
+        return None
 
 
 def _warn_if_resuming_mid_epoch_without_loader_state(trainer: pl.Trainer) -> None:

@@ -38,6 +38,7 @@ from lightning_accum.features import (
     TokenCount,
     WideAccumulation,
 )
+from lightning_accum.monitor import split_summary
 from lightning_accum.precision import check_grad_accum_dtype
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy, updating_optimizer
@@ -215,14 +216,15 @@ class AccumulationScheduler(Callback):
         if trainer.ckpt_path is not None and not self._resume.restored and trainer.global_step > 0:
             ctx.micro_steps, ctx.samples_seen = count_from_the_loop(trainer, ctx.samples_per_micro_step)
         ctx.optimizers, ctx.optimizer_steps = [updating_optimizer(o) for o in trainer.optimizers], trainer.global_step
-        ctx.schedule, ctx.factor, ctx.summary = self._schedule, scheduled_factor(trainer, self._schedule, ctx), []
+        ctx.schedule, ctx.factor = self._schedule, scheduled_factor(trainer, self._schedule, ctx)
+        ctx.summary = [split_summary(batcher.size)] if split else []  # the features add their phrases
         self._features.dispatch(Event.FIT_START, ctx)
         self._features.settle()  # the features this fit gives nothing to do leave the window events
         assert self._loop is not None, "setup creates it"
         self._loop.take_charge()  # before the loop resets: a restart asks where the last window ended
         self._resume.between_windows(trainer, self._current_state())
         grows = self._features.handle(Event.WINDOW_OPENING)
-        warn_at_fit_start(trainer, self._spec, self._schedule, ctx.micro_batch_size, grows)
+        warn_at_fit_start(trainer, self._spec, self._schedule, ctx.micro_batch_size, grows, split)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -416,7 +418,7 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
 
 def _accumulation_dtype(value: object) -> tuple[torch.dtype, bool]:
     """``(dtype, strict)`` for ``grad_accum_dtype``: ``"auto"`` is float32, not strict (``None`` is left out)."""
-    if value == "auto":
+    if isinstance(value, str) and value.lower() == "auto":  # names are read as check_grad_accum_dtype reads them
         return torch.float32, False
     return check_grad_accum_dtype(value) or torch.float32, True
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, cast
 
@@ -54,13 +55,15 @@ def count_samples(batch: Any) -> int:
     return int(tensor.shape[0])
 
 
-def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100) -> torch.Tensor:
+def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100, shift: bool = False) -> torch.Tensor:
     """The loss-bearing tokens of a batch: entries of ``batch[key]`` that are not ``ignore_index``.
 
     Args:
         batch: A mapping (``key`` is a name) or a sequence (``key`` is a position), as the dataloader yields it.
         key: Where the labels are.
         ignore_index: The label value that bears no loss (``cross_entropy``'s default is -100).
+        shift: The model shifts the labels inside (a causal LM predicts token t + 1 at t): each sequence's first
+            label bears no loss, so only ``labels[..., 1:]`` are counted.
 
     Raises:
         KeyError: If ``batch`` has no entry ``key``.
@@ -81,7 +84,7 @@ def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100
         ) from error
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"normalize_by='token' expects a tensor at `token_key={key!r}`, got {type(labels).__name__}")
-    return (labels != ignore_index).sum()
+    return ((labels[..., 1:] if shift else labels) != ignore_index).sum()
 
 
 def make_counter(
@@ -89,6 +92,7 @@ def make_counter(
     token_key: str | int = "labels",
     ignore_index: int = -100,
     count_items: Callable[[Any], Any] | None = None,
+    shift: bool = False,
 ) -> Callable[[Any], torch.Tensor | int] | None:
     """The function that weighs a micro-batch under ``normalize_by`` (``None`` for ``"micro_batch"``)."""
     if normalize_by == "micro_batch":
@@ -97,7 +101,78 @@ def make_counter(
         return count_items
     if normalize_by == "sample":
         return count_samples
-    return functools.partial(count_tokens, key=token_key, ignore_index=ignore_index)  # picklable, unlike a lambda
+    return functools.partial(count_tokens, key=token_key, ignore_index=ignore_index, shift=shift)  # picklable
+
+
+def token_head(module: Any) -> tuple[str, bool] | None:
+    """The Hugging Face model in ``module`` whose loss is a mean over tokens: ``(its class, whether it shifts labels)``.
+
+    A transformers model declares its task by its head's class, registered in transformers' auto mappings: a causal
+    LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: Llama, GPT-2, ...) shifts its labels inside, so one label per sequence
+    bears no loss; a sequence-to-sequence or masked LM (T5, BART, BERT, ...) averages over its labels as given.
+    ``None`` when transformers is not imported or no such model is in ``module``.
+
+    Example::
+
+        >>> token_head(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    if "transformers" not in sys.modules:  # nothing to recognise; never imported here
+        return None
+    from transformers.models.auto import modeling_auto
+
+    causal = _class_names(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    as_given = _class_names(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | _class_names(
+        modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    )
+    for submodule in module.modules():
+        for kind in type(submodule).__mro__:
+            if kind.__module__.startswith("transformers.") and kind.__name__ in causal | as_given:
+                return type(submodule).__name__, kind.__name__ in causal
+    return None
+
+
+def token_counter(module: Any, token_key: str | int, ignore_index: int) -> tuple[Callable[[Any], Any], str | None]:
+    """The token counter for ``module``'s loss, and the summary phrase that says how it counts (``None``: as given).
+
+    Example::
+
+        >>> counter, phrase = token_counter(torch.nn.Linear(2, 2), "labels", -100)
+        >>> counter({"labels": torch.tensor([[1, 2, -100]])}), phrase
+        (tensor(2), None)
+    """
+    head = token_head(module)
+    if head is None:
+        counter = make_counter("token", token_key, ignore_index)
+        assert counter is not None
+        return counter, None
+    name, shifts = head
+    counter = make_counter("token", token_key, ignore_index, shift=shifts)
+    assert counter is not None
+    labels = f"{token_key}[..., 1:]" if shifts else str(token_key)
+    return counter, f"tokens counted as {name} weighs them ({labels} != {ignore_index})"
+
+
+def labels_repeat_inputs(batch: Any, key: str | int, ignore_index: int) -> bool:
+    """Whether ``batch[key]`` equals ``batch["input_ids"]`` wherever it bears loss: labels a causal LM shifts inside.
+
+    Example::
+
+        >>> ids = torch.tensor([[5, 6, 7]])
+        >>> labels_repeat_inputs({"input_ids": ids, "labels": torch.tensor([[5, 6, -100]])}, "labels", -100)
+        True
+    """
+    if not isinstance(batch, Mapping):
+        return False
+    labels, inputs = batch.get(key), batch.get("input_ids")
+    if not isinstance(labels, torch.Tensor) or not isinstance(inputs, torch.Tensor) or labels.shape != inputs.shape:
+        return False
+    bearing = labels != ignore_index
+    return bool(bearing.any()) and torch.equal(labels[bearing], inputs[bearing])
+
+
+def _class_names(mapping: Mapping[str, Any]) -> set[str]:
+    return {name for value in mapping.values() for name in ([value] if isinstance(value, str) else value)}
 
 
 def check_count(value: Any, batch_idx: int, source: str = "count_items") -> torch.Tensor | float:

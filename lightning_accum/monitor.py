@@ -187,3 +187,16 @@ def batch_summary(micro_batch_size: int | None, factor: int, world_size: int) ->
         return f"factor {factor} x world {world_size} = {factor * world_size} micro-batches"
     effective = micro_batch_size * factor * world_size
     return f"micro {micro_batch_size} x factor {factor} x world {world_size} = {effective} samples"
+
+
+def split_summary(rows: int | None) -> str:
+    """How loader batches are split into micro-batches (``None``: ``"auto"``, before any out-of-memory error).
+
+    Example::
+
+        >>> split_summary(4)
+        'each loader batch split into micro-batches of 4 rows'
+    """
+    if rows is None:
+        return "loader batches split when they run out of memory (micro_batch_size='auto')"
+    return f"each loader batch split into micro-batches of {rows} rows"

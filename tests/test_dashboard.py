@@ -90,6 +90,19 @@ def served(tmp_path_factory):
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
         log.close()
+        _assert_group_gone(server.pid)
+
+
+def _assert_group_gone(group: int) -> None:
+    """No process of the server's session outlives the test (the README's test command leaves nothing running)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"TensorBoard's process group {group} is still running after the test")
 
 
 def _charts(port: int) -> dict[str, list[str]]:

@@ -94,7 +94,7 @@ def max_deviation(record: dict, windows: list[int], name: str = "") -> float:
     )
 
 
-def _launch(script: str, *args: str, out: Path, limit: int = 600) -> None:
+def _launch(script: str, *args: str, out: Path, limit: int = 600) -> str:
     # `timeout -s KILL` kills the whole process group (Lightning's launcher starts rank 1 as rank 0's child, and
     # swallows SIGTERM): a hang fails the test instead of holding the suite
     done = subprocess.run(
@@ -107,6 +107,8 @@ def _launch(script: str, *args: str, out: Path, limit: int = 600) -> None:
     clues = [line for line in output.splitlines() if any(word in line for word in ("Error", "Traceback", "terminate"))]
     assert done.returncode != 137, f"killed after {limit} s: a rank hung; {clues[-20:]}"
     assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n" + done.stdout[-2000:] + done.stderr[-4000:]
+    (out / "output.txt").write_text(output)  # what the user saw
+    return output
 
 
 def _records(out: Path, name: str) -> list[dict]:
@@ -125,6 +127,11 @@ def fsdp2(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp2")
     _launch("two_ranks.py", "fsdp2", out=out)
     return out
+
+
+def test_ddp_fits_print_no_warning_about_lightnings_deprecated_all_gather(ddp):
+    output = (ddp / "output.txt").read_text()
+    assert "torch.distributed.nn.functional.all_gather" not in output
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp2"])

@@ -17,7 +17,8 @@ from lightning_accum import AccumulationScheduler, DDPAccumulationStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-CONFIGS = sorted((EXAMPLES / "configs").glob("*.yaml"))
+CONFIGS = sorted((EXAMPLES / "configs").glob("lm_*.yaml"))  # examples/train_lm.py's
+HF_CONFIG = EXAMPLES / "configs" / "hf_causal_lm.yaml"  # examples/hf_causal_lm.py's
 # a model and corpus small enough for a test; everything else comes from the config
 SMALL = [
     "--model.width=16",
@@ -62,7 +63,7 @@ def _init_args(config: dict) -> dict:
 
 def test_every_example_config_sets_the_callback_by_class_path():
     assert {path.name for path in CONFIGS} >= {"lm_ramp.yaml", "lm_step_schedule.yaml", "lm_ddp.yaml"}
-    for path in CONFIGS:
+    for path in [*CONFIGS, HF_CONFIG]:
         assert _init_args(yaml.safe_load(path.read_text())), path
 
 
@@ -221,3 +222,21 @@ def test_the_accumulation_experiment_writes_its_table_plot_and_numbers(tmp_path)
     assert "one batch of 8" in table
     assert "4 x 2 accumulated" in table
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_hugging_face_example_fine_tunes_with_token_weighting_alone(tmp_path, caplog):
+    """examples/hf_causal_lm.py: the callback recognises the causal-LM head and says how it counts tokens."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import hf_causal_lm
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    args = ["fit", f"--config={HF_CONFIG}", f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3"]
+    with caplog.at_level("INFO"):
+        cli = hf_causal_lm.main([*args, "--data.lines=256", "--trainer.enable_progress_bar=false"])
+    assert cli.trainer.global_step == 3
+    (summary,) = [record.message for record in caplog.records if "x factor" in record.message]
+    assert "each loader batch split into micro-batches of 4 rows" in summary
+    assert "tokens counted as LlamaForCausalLM weighs them (labels[..., 1:] != -100)" in summary
+    assert _callback(cli).features["item_weighting"].normalize_by == "token"

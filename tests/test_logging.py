@@ -1,6 +1,7 @@
 """What reaches TensorBoard: the listed tags with the right values, the custom-scalars layout and the summary."""
 
 import pytest
+import torch
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -197,3 +198,71 @@ def test_the_progress_bar_shows_integers_and_says_when_a_window_is_short(tmp_pat
     x, y = make_data(20)  # 5 micro-batches of 4: windows of 2, 2 and a short one of 1
     trainer([AccumulationScheduler({0: 2}), Shown()], max_epochs=1).fit(RegressionModule(), loader(x, y, 4))
     assert shown == [(None, None), (2, 8), (2, 8), (2, 8), (2, "4 (short window)")]
+
+
+# ------------------------------------------------------------------ what the fit prints before its first batch
+
+
+def _fit_messages(caplog, module=None, **arguments) -> tuple[list[str], list[str]]:
+    """(info lines, warnings) of a fit of ``module`` (the regression model) under ``arguments``."""
+    import warnings
+
+    x, y = make_data(64)
+    fit_trainer = trainer([AccumulationScheduler(**arguments)], max_epochs=2)
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_trainer.fit(module or RegressionModule(), loader(x, y, 8))
+    return [record.message for record in caplog.records], [str(warning.message) for warning in caught]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "noted"),
+    [
+        ({"scheduling": {0: 4}}, False),  # a constant factor: the Trainer's own figure (4 steps) is right
+        ({"scheduling": {0: 2, 1: 4}}, True),  # 4 + 2 steps, where the Trainer counts 4 + 4
+    ],
+)
+def test_the_stepping_batches_note_is_printed_only_where_the_trainers_figure_is_wrong(caplog, arguments, noted):
+    infos, _ = _fit_messages(caplog, **arguments)
+    notes = [line for line in infos if "`trainer.estimated_stepping_batches` does not know the schedule" in line]
+    assert len(notes) == int(noted)
+    if noted:
+        assert "this run takes 6 optimizer steps" in notes[0]
+
+
+def test_the_summary_says_how_loader_batches_are_split(caplog):
+    infos, _ = _fit_messages(caplog, scheduling={0: 2}, micro_batch_size=4)
+    (summary,) = [line for line in infos if "x factor" in line]
+    assert summary.startswith("AccumulationScheduler: micro 8 x factor 2 x world 1 = 16 samples;")
+    assert "each loader batch split into micro-batches of 4 rows" in summary
+
+
+class BatchNormModule(RegressionModule):
+    def __init__(self, sync: bool = False) -> None:
+        super().__init__()
+        self.norm = torch.nn.SyncBatchNorm(5) if sync else torch.nn.BatchNorm1d(5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if not isinstance(self.norm, torch.nn.SyncBatchNorm):  # SyncBatchNorm needs a process group to run
+            x = self.norm(x)
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+
+@pytest.mark.parametrize(
+    ("module", "arguments", "warned"),
+    [
+        (lambda: BatchNormModule(), {"scheduling": {0: 4}}, True),
+        (lambda: BatchNormModule(), {"scheduling": {0: 1}, "micro_batch_size": 4}, True),  # windows of two parts
+        (lambda: BatchNormModule(), {"scheduling": {0: 1}}, False),  # one micro-batch a window: as a big batch
+        (lambda: BatchNormModule(sync=True), {"scheduling": {0: 4}}, False),
+        (lambda: RegressionModule(), {"scheduling": {0: 4}}, False),
+    ],
+    ids=["factor-4", "split", "factor-1", "sync-batch-norm", "no-batch-norm"],
+)
+def test_batch_norm_layers_warn_once_when_windows_hold_several_micro_batches(caplog, module, arguments, warned):
+    _, caught = _fit_messages(caplog, module(), **arguments)
+    batch_norm = [message for message in caught if "BatchNorm layers" in message]
+    assert len(batch_norm) == int(warned)
+    if warned:
+        assert batch_norm[0].startswith("AccumulationScheduler: the model's BatchNorm layers (`norm`) normalize")

@@ -331,3 +331,11 @@ def test_a_split_loader_batch_is_accumulated_in_float32_too():
     trainer([callback], max_steps=1, precision="bf16-true").fit(module, data)
     reference = reference_gradients(x, y, factor=8)
     assert max(bf16_ulps(g, r).max().item() for g, r in zip(module.seen, reference, strict=True)) <= 1.0
+
+
+@pytest.mark.parametrize("spelling", ["auto", "Auto", "AUTO"])
+def test_auto_is_read_in_any_case_as_the_dtype_names_are(spelling):
+    features = AccumulationScheduler(grad_accum_dtype=spelling).features
+    assert features["wide_accumulation"].dtype is torch.float32
+    assert not features["wide_accumulation"].strict  # "auto": a warning where the strategy cannot, not an error
+    assert AccumulationScheduler(grad_accum_dtype="FLOAT32").features["wide_accumulation"].strict

@@ -17,10 +17,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature, takes_dataloader_iter
-from lightning_accum.items import check_count, check_normalize_by, invalid_counts, make_counter
+from lightning_accum.items import (
+    check_count,
+    check_normalize_by,
+    invalid_counts,
+    labels_repeat_inputs,
+    make_counter,
+    token_counter,
+)
 from lightning_accum.schedule import check_int
 
 
@@ -68,6 +76,8 @@ class ItemWeighting(Feature):
         if count_items is not None and not callable(count_items):
             raise TypeError(f"`count_items` must be a callable `batch -> int`, got {count_items!r}")
         self._count = make_counter(self.normalize_by, token_key, ignore_index, count_items)
+        self._rule = (token_key, ignore_index) if self.normalize_by == "token" and count_items is None else None
+        self._check_labels = False  # whether the fit's first batch is yet to be checked for labels a model shifts
         self._per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
         self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
         self._backwards = 0  # this rank's micro-steps in the window that ran a backward
@@ -87,6 +97,15 @@ class ItemWeighting(Feature):
         self._per_micro_batch = None  # once per fit, from its first micro-batch
 
     @override
+    def fit_start(self, ctx: Context) -> None:
+        if self._rule is None:
+            return
+        self._count, phrase = token_counter(ctx.module, *self._rule)  # a Hugging Face model: the tokens it weighs
+        if phrase is not None and phrase not in ctx.summary:
+            ctx.summary.append(phrase)
+        self._check_labels = phrase is None
+
+    @override
     def window_opened(self, ctx: Context) -> None:
         self._window_items = 0
         self._backwards = 0
@@ -96,6 +115,17 @@ class ItemWeighting(Feature):
     @override
     def micro_batch_started(self, ctx: Context) -> None:
         assert self._count is not None, "the callback leaves normalize_by='micro_batch' out"
+        if self._check_labels and self._rule is not None:
+            self._check_labels = False
+            if labels_repeat_inputs(ctx.batch, *self._rule):
+                key, ignore_index = self._rule
+                rank_zero_warn(
+                    f"AccumulationScheduler(normalize_by='token'): the labels equal `input_ids` wherever they bear"
+                    f" loss, as for a causal LM that shifts them inside, but no Hugging Face causal LM was found in"
+                    f" the module: if the model predicts token t + 1 at t, each sequence's first label bears no loss"
+                    f" and the count is off by one per sequence. Pass count_items=lambda batch:"
+                    f" (batch[{key!r}][..., 1:] != {ignore_index}).sum() to count what such a model weighs"
+                )
         items = check_count(self._count(ctx.batch), ctx.batch_idx)
         if self._custom and isinstance(items, torch.Tensor):
             # a tensor's value is checked with the window's other counts at its end, without waiting for the device

@@ -17,7 +17,7 @@ import torch
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature, takes_dataloader_iter
-from lightning_accum.items import check_count, make_counter
+from lightning_accum.items import check_count, make_counter, token_counter
 
 
 class TokenCount(Feature):
@@ -50,6 +50,7 @@ class TokenCount(Feature):
         assert counter is not None
         self._count = counter
         self._source = "count_items" if count_items is not None else "unit='token'"
+        self._rule = None if count_items is not None else (token_key, ignore_index)  # counted as the model weighs
         self.tokens_seen = 0
         self._window: Any = 0  # this rank's tokens in the window so far (a tensor once counted)
         self._window_total = 0
@@ -69,6 +70,10 @@ class TokenCount(Feature):
     @override
     def fit_start(self, ctx: Context) -> None:
         ctx.tokens_seen = self.tokens_seen
+        if self._rule is not None:  # a Hugging Face model in the module: its loss-bearing tokens
+            self._count, phrase = token_counter(ctx.module, *self._rule)
+            if phrase is not None and phrase not in ctx.summary:
+                ctx.summary.append(phrase)
 
     @override
     def window_opened(self, ctx: Context) -> None:
