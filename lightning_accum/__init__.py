@@ -1,5 +1,6 @@
 """lightning_accum: exact, scheduled and visible gradient accumulation for PyTorch Lightning."""
 
+from lightning_accum import _instantiate
 from lightning_accum.__about__ import __version__
 from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches
 from lightning_accum.manual import ManualAccumulation, MicroStep
@@ -10,6 +11,8 @@ from lightning_accum.strategies import (
     FSDPAccumulationStrategy,
     ModelParallelAccumulationStrategy,
 )
+
+_instantiate.register(AccumulationScheduler)  # plain LightningCLI: a refused value ends in one line, exit 2
 
 __all__ = [
     "AccumulationScheduler",

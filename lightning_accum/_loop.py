@@ -19,8 +19,9 @@ the callback's windows are in charge, and gives them back otherwise:
 - after ``fit`` the Trainer's own ``accumulate_grad_batches`` is put back.
 
 The divisor Lightning applies to each loss stays ``trainer.accumulate_grad_batches``, which the callback sets to the
-window's size. ``tests/test_lightning_contract.py`` fails if this private behaviour changes. This module owns only
-that routing: it never decides a boundary itself.
+window's size (to 1 when wide accumulation weighs each micro-batch's gradient in float32 instead).
+``tests/test_lightning_contract.py`` fails if this private behaviour changes. This module owns only that routing: it
+never decides a boundary itself.
 """
 
 from __future__ import annotations

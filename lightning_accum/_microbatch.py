@@ -19,7 +19,9 @@ and ``"token"`` the item weighting does it.
   loader batch, every rank learns (one all-reduce) whether any rank ran out of memory; if one did, every rank drops the
   window in progress, frees what the attempt held, halves the micro-batch size (the smallest over ranks) and trains
   the same loader batch again as the first of a new window. The size never grows back: a size that once ran out of
-  memory may do so again on a longer batch, and a fixed size keeps a run reproducible.
+  memory may do so again on a longer batch, and a fixed size keeps a run reproducible. The size found belongs to its
+  run: a fit resumed from a checkpoint takes the checkpoint's, a fit that continues (global step above 0) keeps it,
+  and a new run (global step 0, no checkpoint) searches again from the loader batch's size.
 
 Lightning glue: it shadows ``training_step`` on the module instance for the fit and removes the shadow after it.
 """
@@ -86,8 +88,13 @@ class MicroBatcher:
         self._report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's mean loss and its items
 
     def install(self, trainer: Any, module: Any, owner: Owner, window: Window) -> None:
-        """Shadow ``module.training_step`` for this fit; ``window`` says when a loader batch opens a window."""
+        """Shadow ``module.training_step`` for this fit; ``window`` says when a loader batch opens a window.
+
+        With ``"auto"``, a new run (global step 0, no checkpoint) forgets the size an earlier fit found.
+        """
         self.release()
+        if self.auto and trainer.global_step == 0 and trainer.ckpt_path is None:
+            self.size = None
         self._trainer, self._module, self._original = trainer, module, module.training_step
         self._owner, self._window = owner, window
         module.training_step = self._training_step
@@ -106,9 +113,10 @@ class MicroBatcher:
         return {"micro_batch_size_found": self.size} if self.auto and self.size is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (from the callback's whole state)."""
-        if self.auto and state.get("micro_batch_size_found"):
-            self.size = int(state["micro_batch_size_found"])
+        """Restore :meth:`state_dict` (from the callback's whole state): a checkpoint without a size searches again."""
+        if self.auto:
+            found = state.get("micro_batch_size_found")
+            self.size = int(found) if found else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # one fit's, one process's:

@@ -266,6 +266,8 @@ class AccumulationScheduler(Callback):
         self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
         share = share if ctx.items is None else 1.0  # item weighting weighs micro-batches itself
         ctx.loss_divisor = ctx.window.size / share
+        if ctx.weights_in_float32:  # the unscaled loss is backpropagated; its weight goes in with its gradient
+            ctx.micro_weight, ctx.loss_divisor, share = share / ctx.window.size, 1.0, 1.0
         return ctx.items, share
 
     @override
@@ -305,8 +307,7 @@ class AccumulationScheduler(Callback):
             loss, ctx.items = report
             ctx.loss = None if loss is None else loss / ctx.window.size
         elif self._features.handle(Event.MICRO_BATCH_ENDED):  # what training_step returned, for whoever reads it
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-            ctx.loss = loss if isinstance(loss, torch.Tensor) else None
+            ctx.loss = _window_share(outputs, ctx)
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         if ctx.window.closed:
             ctx.metrics = {"accum/micro_batch_size": float(self._batcher.size or 0)} if report is not None else {}
@@ -338,7 +339,7 @@ class AccumulationScheduler(Callback):
         if closing is not None:  # Lightning decided before training_step whether this batch steps: keep to it
             size = 1 if closing else max(2, size)
         ctx.window.open(int(size))
-        loop.set_factor(ctx.window.size)  # the divisor Lightning applies to each loss
+        loop.set_factor(1 if ctx.weights_in_float32 else ctx.window.size)  # the divisor Lightning applies to a loss
         ctx.summary = []
         self._features.dispatch(Event.WINDOW_OPENED, ctx)
 
@@ -429,14 +430,16 @@ def _drop_unreduced_gradients(trainer: pl.Trainer) -> None:
         trainer.strategy.drop_unreduced_gradients()
 
 
+def _window_share(outputs: Any, ctx: Context) -> torch.Tensor | None:
+    """The loss ``training_step`` returned over the window's size (Lightning divides by 1 when weighing in float32)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return (loss / ctx.window.size if ctx.weights_in_float32 else loss) if isinstance(loss, torch.Tensor) else None
+
+
 def _scale_gradients(trainer: pl.Trainer, optimizer: Any, scale: float) -> None:
     if isinstance(trainer.strategy, DeepSpeedAccumulationStrategy):  # ZeRO holds the window's gradient, not `.grad`
         trainer.strategy.scale_window_gradients(optimizer, scale)
-        return
-    if scale == 1.0:
-        return
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+    elif scale != 1.0:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, scale)

@@ -8,7 +8,8 @@ r"""The ``lightning-accum`` command, to ``plan`` a configuration before a run, a
 With ``--probe MODULE:CLASS`` the command instantiates the LightningModule (no arguments), builds micro-batches of
 each candidate size from its ``example_input_array``, and measures the peak memory of one forward and backward in a
 fresh process per size (CUDA: peak allocated; CPU: growth of the peak resident memory), then keeps the micro-batches
-that fit ``--memory-budget`` MiB.
+that fit ``--memory-budget`` MiB. A target it cannot probe (no such module or class, no ``example_input_array``) ends
+the command like any bad value: a one-line error naming it, exit status 2.
 
 :class:`AccumulationArgumentParser`, for ``LightningCLI(..., parser_class=AccumulationArgumentParser)``, ends a parse
 error with the key and the value that were wrong.
@@ -61,7 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prober.add_argument("target")
         prober.add_argument("micro_batch", type=int)
         probe_args = prober.parse_args(args[1:])
-        print(json.dumps({"peak_bytes": probe_once(probe_args.target, probe_args.micro_batch)}))
+        try:
+            peak = probe_once(probe_args.target, probe_args.micro_batch)
+        except UnprobeableTarget as error:  # for probe_isolated, which names it as the value of --probe
+            print(json.dumps({"unprobeable": str(error)}))
+            return 2
+        print(json.dumps({"peak_bytes": peak}))
         return 0
     parser = argparse.ArgumentParser(prog="lightning-accum", description="Plan gradient accumulation for Lightning.")
     commands = parser.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
@@ -104,7 +110,10 @@ def _plan(planner: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         candidates = args.micro_batch or [
             size for size in range(per_device, 0, -1) if per_device and not per_device % size
         ]
-        max_micro_batch, measured = fit_budget(args.probe, candidates, args.memory_budget)
+        try:
+            max_micro_batch, measured = fit_budget(args.probe, candidates, args.memory_budget)
+        except UnprobeableTarget as error:
+            planner.error(f"argument --probe: {error}")
         for size, peak in measured:
             print(f"probe: micro-batch {size}: peak {peak / _MIB:.1f} MiB", file=sys.stderr)
         if max_micro_batch is None:
@@ -151,10 +160,18 @@ def _positive_float(text: str) -> float:
 
 
 def _target(text: str) -> str:
-    module_name, _, class_name = text.partition(":")
-    if not module_name or not class_name:
-        raise argparse.ArgumentTypeError(f"expected MODULE:CLASS, got {text!r}")
+    try:
+        _module_and_class(text)
+    except UnprobeableTarget as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return text
+
+
+def _module_and_class(target: str) -> tuple[str, str]:
+    module_name, _, class_name = target.partition(":")
+    if not module_name or not class_name:
+        raise UnprobeableTarget(f"expected MODULE:CLASS, got {target!r}")
+    return module_name, class_name
 
 
 def _name_flags(message: str) -> str:
@@ -313,10 +330,18 @@ def _render(nodes: list[_Node], depth: int) -> list[str]:
     return lines
 
 
+class UnprobeableTarget(ValueError):
+    """The ``MODULE:CLASS`` given to probe names no module or class, or a module without ``example_input_array``."""
+
+
 def fit_budget(target: str, candidates: Sequence[int], budget_mib: float) -> tuple[int | None, list[tuple[int, int]]]:
     """The largest candidate micro-batch whose measured peak memory fits ``budget_mib``, and what was measured.
 
     Sizes are probed from the smallest up and the search stops at the first that does not fit.
+
+    Raises:
+        UnprobeableTarget: If ``target`` cannot be probed.
+        RuntimeError: If a probe fails otherwise (the model's own error, with the probe's traceback).
     """
     measured: list[tuple[int, int]] = []
     best = None
@@ -330,29 +355,52 @@ def fit_budget(target: str, candidates: Sequence[int], budget_mib: float) -> tup
 
 
 def probe_isolated(target: str, micro_batch: int) -> int:
-    """Peak memory, in bytes, of one forward and backward at ``micro_batch``, in a fresh Python process."""
+    """Peak memory, in bytes, of one forward and backward at ``micro_batch``, in a fresh Python process.
+
+    Raises:
+        UnprobeableTarget: If ``target`` cannot be probed.
+        RuntimeError: If the probe fails otherwise.
+    """
     done = subprocess.run(
         [sys.executable, "-m", "lightning_accum.cli", "_probe", target, str(micro_batch)],
         capture_output=True,
         text=True,
         check=False,
     )
-    if done.returncode != 0:
+    answer = _last_json_line(done.stdout)
+    if done.returncode == 2 and "unprobeable" in answer:
+        raise UnprobeableTarget(answer["unprobeable"])
+    if done.returncode != 0 or "peak_bytes" not in answer:
         raise RuntimeError(f"probing {target} at micro-batch {micro_batch} failed:\n{done.stderr[-3000:]}")
-    return int(json.loads(done.stdout.strip().splitlines()[-1])["peak_bytes"])
+    return int(answer["peak_bytes"])
+
+
+def _last_json_line(output: str) -> dict[str, Any]:
+    """The probe's answer: the JSON object on the last line of its output (``{}`` if there is none)."""
+    lines = output.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def probe_once(target: str, micro_batch: int) -> int:
-    """In this process: instantiate ``MODULE:CLASS``, run one forward and backward at ``micro_batch``, measure."""
+    """In this process: instantiate ``MODULE:CLASS``, run one forward and backward at ``micro_batch``, measure.
+
+    Raises:
+        UnprobeableTarget: If ``target`` names no module or class, or its instance has no ``example_input_array``.
+    """
     import torch
 
-    module_name, _, class_name = target.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"--probe takes MODULE:CLASS, got {target!r}")
-    model = getattr(importlib.import_module(module_name), class_name)()
+    model = _load_class(target)()
     example = getattr(model, "example_input_array", None)
     if example is None:
-        raise ValueError(f"--probe needs `{class_name}.example_input_array` to build micro-batches, and it is not set")
+        _, class_name = _module_and_class(target)
+        raise UnprobeableTarget(
+            f"the probe builds its micro-batches from `{class_name}.example_input_array`, which is not set, got"
+            f" {target!r}"
+        )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = model.to(device)
     inputs = _resize(example, micro_batch, device)
@@ -368,6 +416,22 @@ def probe_once(target: str, micro_batch: int) -> int:
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated() - before)
     return int(max(peak_resident_bytes() - before, 0))
+
+
+def _load_class(target: str) -> Any:
+    """The class ``MODULE:CLASS`` names; an error in the module's own imports keeps its traceback."""
+    module_name, class_name = _module_and_class(target)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if module_name != missing and not module_name.startswith(f"{missing}."):
+            raise  # the module exists; something it imports does not
+        raise UnprobeableTarget(f"no module named {missing!r}, got {target!r}") from None
+    try:
+        return getattr(module, class_name)
+    except AttributeError:
+        raise UnprobeableTarget(f"module {module_name!r} has no attribute {class_name!r}, got {target!r}") from None
 
 
 def _resize(example: Any, size: int, device: Any) -> Any:

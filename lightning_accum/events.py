@@ -205,7 +205,14 @@ class Context:
             ``loss_divisor``, times the AMP loss scale; a feature may re-weigh it in place); at
             ``MICRO_BATCH_ENDED`` the loss ``training_step`` returned, divided by the window's size, or ``None``.
         loss_divisor: What the micro-batch's mean loss is divided by in its backward: the window's size (over the
-            micro-batch's share of a split loader batch), or what a feature re-weighed it to.
+            micro-batch's share of a split loader batch), or what a feature re-weighed it to; ``1`` when
+            ``weights_in_float32``.
+        weights_in_float32: Published at ``FIT_START`` by wide accumulation when it sums the window's gradients in
+            float32 itself: every micro-batch then backpropagates its unscaled loss (Lightning divides by 1), and its
+            weight (``micro_weight``) is applied in float32 as its gradient is added, never to the narrow loss.
+        micro_weight: With ``weights_in_float32``: what the micro-batch's gradient weighs in the window's sum (set at
+            ``MICRO_BATCH_STARTED`` to its share over the window's size; item weighting multiplies it by the
+            micro-batch's items over the typical count at ``BEFORE_BACKWARD``).
         optimizer: The optimizer about to step (``WINDOW_CLOSING``, ``GRADIENT_READY``).
         gradient_scale: At ``WINDOW_CLOSING``: what turns the accumulated gradient into the window's mean. The
             callback sets the correction for a window cut short; a feature that weighs micro-batches otherwise
@@ -248,6 +255,8 @@ class Context:
     batch_idx: int = 0
     loss: torch.Tensor | None = None
     loss_divisor: float | torch.Tensor = 1.0
+    weights_in_float32: bool = False
+    micro_weight: float | torch.Tensor = 1.0
     optimizer: Any = None
     gradient_scale: float = 1.0
 

@@ -13,6 +13,7 @@ Pure (torch only).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -113,11 +114,12 @@ class WideAccumulator:
         """Start a new window: the first gradient each buffer receives replaces what it held."""
         self._touched = [False] * len(self.params)
 
-    def add(self) -> None:
+    def add(self, weight: float | torch.Tensor = 1.0) -> None:
         """Move each parameter's ``.grad`` (one micro-batch's gradient) into its buffer, leaving ``.grad`` None.
 
         The next backward then writes its gradient into a fresh ``.grad`` (autograd takes it over without adding),
         and no pass zeroes anything: a buffer's first gradient of the window is copied, the later ones are added.
+        ``weight`` multiplies the gradient in the buffers' dtype (a one-element tensor stays on its device).
         """
         first: list[tuple[torch.Tensor, torch.Tensor]] = []
         later: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -129,8 +131,15 @@ class WideAccumulator:
             param.grad = None
         if first:
             torch._foreach_copy_([b for b, _ in first], [g for _, g in first])
-        if later:
-            torch._foreach_add_([b for b, _ in later], [g for _, g in later])
+            if isinstance(weight, torch.Tensor) or weight != 1.0:
+                torch._foreach_mul_([b for b, _ in first], _scalar(weight, self.dtype))
+        if not later:
+            return
+        if isinstance(weight, torch.Tensor):  # computed in the buffers' dtype: they decide the result type
+            for buffer, grad in later:
+                buffer.addcmul_(grad, weight.to(self.dtype))
+        else:
+            torch._foreach_add_([b for b, _ in later], [g for _, g in later], alpha=weight)
 
     def reduce(self, all_reduce_sum: Callable[[torch.Tensor], None], world_size: int) -> None:
         """Sum the buffers over ranks with ``all_reduce_sum`` (in place, in the wide dtype) and divide by the ranks.
@@ -158,3 +167,7 @@ class WideAccumulator:
             if scale != 1.0:
                 buffer.mul_(scale)
             param.grad = buffer.to(param.dtype)
+
+
+def _scalar(weight: float | torch.Tensor, dtype: torch.dtype) -> Any:
+    return weight.to(dtype) if isinstance(weight, torch.Tensor) else weight

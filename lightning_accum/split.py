@@ -1,14 +1,17 @@
 """Splitting a loader batch into micro-batches along its first dimension, and recognising out-of-memory errors.
 
-Pure (torch only). A batch is split where it holds tensors: a tensor, or tuples, lists, dicts and dataclasses of
-them (nested), each tensor sliced along dimension 0; anything else (strings, numbers, ``None``) is shared by every
-micro-batch. A batch of another kind can teach the splitter with :func:`register_splitter`.
+Pure (torch only). The batch's rows are the first dimension of its first tensor. Inside tuples, lists, dicts,
+namedtuples and dataclasses (nested), each tensor is sliced along dimension 0, and a list or tuple that holds no
+tensor and is as long as the batch is the batch's values, one per row (the names of its samples, as the default
+collate function gathers a string field): it is sliced with the rows. Anything else (a string, a number, ``None``, a
+list of another length) is shared by every micro-batch. A batch of another kind can teach the splitter with
+:func:`register_splitter`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,14 +44,7 @@ def batch_rows(batch: Any) -> int | None:
     """
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else None
-    values: Any = ()
-    if isinstance(batch, Mapping):
-        values = batch.values()
-    elif isinstance(batch, (list, tuple)):
-        values = batch
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        values = [getattr(batch, field.name) for field in dataclasses.fields(batch)]
-    for value in values:
+    for value in _values(batch):
         rows = batch_rows(value)
         if rows is not None:
             return rows
@@ -64,9 +60,12 @@ def split_batch(batch: Any, size: int) -> list[Any]:
 
     Example::
 
-        >>> parts = split_batch((torch.arange(5), {"y": torch.arange(5) * 10, "name": "a"}), size=2)
-        >>> [p[0].tolist() for p in parts], [p[1]["y"].tolist() for p in parts], parts[2][1]["name"]
-        ([[0, 1], [2, 3], [4]], [[0, 10], [20, 30], [40]], 'a')
+        >>> batch = {"x": torch.arange(5), "name": ["a", "b", "c", "d", "e"], "classes": ["cat", "dog"], "split": "t"}
+        >>> parts = split_batch(batch, size=2)
+        >>> [p["x"].tolist() for p in parts], [p["name"] for p in parts]
+        ([[0, 1], [2, 3], [4]], [['a', 'b'], ['c', 'd'], ['e']])
+        >>> parts[2]["classes"], parts[2]["split"]
+        (['cat', 'dog'], 't')
     """
     if type(batch) in _SPLITTERS:
         return _SPLITTERS[type(batch)](batch, size)
@@ -96,6 +95,8 @@ def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
         return type(batch)(*(_slice(value, start, stop, rows) for value in batch))
     if isinstance(batch, (list, tuple)):
+        if len(batch) == rows and not _holds_tensor(batch):  # one value per row
+            return batch[start:stop]
         return type(batch)(_slice(value, start, stop, rows) for value in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         changes = {
@@ -103,6 +104,21 @@ def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:
         }
         return dataclasses.replace(batch, **changes)
     return batch
+
+
+def _values(batch: Any) -> Iterable[Any]:
+    """What a tuple, list, dict or dataclass holds (nothing for anything else)."""
+    if isinstance(batch, Mapping):
+        return batch.values()
+    if isinstance(batch, (list, tuple)):
+        return batch
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [getattr(batch, field.name) for field in dataclasses.fields(batch)]
+    return ()
+
+
+def _holds_tensor(batch: Any) -> bool:
+    return isinstance(batch, torch.Tensor) or any(_holds_tensor(value) for value in _values(batch))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -81,6 +81,86 @@ def test_split_batch_handles_tensors_tuples_dicts_and_dataclasses():
     assert is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate"))
 
 
+def test_split_batch_cuts_per_sample_values_with_their_rows():
+    """A list or tuple as long as the batch, holding no tensor, is one value per row; other values are shared."""
+    batch = {
+        "x": torch.arange(5),
+        "name": ["a", "b", "c", "d", "e"],
+        "score": (0.5, None, 2, 3, 4),
+        "tags": [["t"], [], ["u", "v"], [], {"w": 1}],
+        "classes": ["cat", "dog"],  # another length: shared
+        "split": "train",
+        "pair": [torch.arange(5), ["p", "q", "r", "s", "t"]],  # holds a tensor: a structure, cut inside
+    }
+    first, second, last = split_batch(batch, 2)
+    assert second["name"] == ["c", "d"]
+    assert second["score"] == (2, 3)
+    assert second["tags"] == [["u", "v"], []]
+    assert last["tags"] == [{"w": 1}]
+    assert last["pair"][0].tolist() == [4]
+    assert last["pair"][1] == ["t"]
+    assert first["classes"] == ["cat", "dog"]
+    assert last["split"] == "train"
+    # a batch of tuples, collated: the top-level list of tensors is a structure, even as long as the batch
+    columns = split_batch([torch.arange(3), torch.arange(3) * 10, ["a", "b", "c"]], 2)
+    assert [part[0].tolist() for part in columns] == [[0, 1], [2]]
+    assert [part[2] for part in columns] == [["a", "b"], ["c"]]
+
+
+class NamedSamples(torch.utils.data.Dataset):
+    """Samples with values beside their tensors: an index, a name, a score (sometimes None), tags of any length."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"x": self.x[index], "y": self.y[index], "index": index, "name": f"row{index}"}
+
+
+def keep_values(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """A collate function that stacks the tensors and keeps each other value in a list, one per sample."""
+    index = [sample["index"] for sample in samples]
+    return {
+        "x": torch.stack([sample["x"] for sample in samples]),
+        "y": torch.stack([sample["y"] for sample in samples]),
+        "index": index,
+        "name": [sample["name"] for sample in samples],
+        "score": [None if i % 4 == 0 else i / 2 for i in index],
+        "tags": [[f"t{i}"] * (i % 3) for i in index],
+        "classes": ["cat", "dog", "cow"],  # not one per sample: shared
+        "split": "train",
+    }
+
+
+@pytest.mark.parametrize("collate", ["default", "keep_values"])
+def test_a_split_batch_hands_each_micro_batch_its_rows_values(collate):
+    """Loader batches of 12 in micro-batches of 5: each micro-batch sees the names, scores and tags of its rows."""
+    seen: list[dict[str, Any]] = []
+
+    class Paired(DictModule):
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+            index = batch["index"]
+            seen.append({**batch, "index": index.tolist() if isinstance(index, torch.Tensor) else index})
+            return super().training_step(batch, batch_idx)
+
+    x, y = make_data(24)
+    data = DataLoader(NamedSamples(x, y), batch_size=12, collate_fn=keep_values if collate == "keep_values" else None)
+    trainer([AccumulationScheduler({0: 2}, micro_batch_size=5)], max_epochs=1).fit(Paired(), data)
+    assert [len(batch["index"]) for batch in seen] == [5, 5, 2, 5, 5, 2]
+    for batch in seen:
+        index = batch["index"]
+        assert torch.equal(batch["x"], x[index])
+        assert batch["name"] == [f"row{i}" for i in index]
+        if collate == "keep_values":
+            assert batch["score"] == [None if i % 4 == 0 else i / 2 for i in index]
+            assert batch["tags"] == [[f"t{i}"] * (i % 3) for i in index]
+            assert batch["classes"] == ["cat", "dog", "cow"]
+            assert batch["split"] == "train"
+
+
 @pytest.mark.parametrize("kind", ["tuple", "dict", "tensor"])
 @pytest.mark.parametrize("micro", [4, 5])  # dividing the loader batch of 16, and not (5, 5, 5, 1)
 def test_splitting_equals_the_step_on_the_whole_batch(kind, micro):
@@ -150,6 +230,53 @@ def test_auto_keeps_the_size_it_found_across_a_resume(tmp_path):
     callback = AccumulationScheduler({0: 2}, micro_batch_size="auto")
     trainer([callback], max_epochs=2).fit(resumed, loader(x, y, 16), ckpt_path=tmp_path / "epoch=0.ckpt")
     assert resumed.raised == 0  # no search again
+    assert max_deviation(weights(resumed), reference_weights(x, y, 16, [[2, 2], [2, 2]])) <= TOLERANCE
+
+
+class CountsRows(RegressionModule):
+    """Records the rows of each micro-batch; never runs out of memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.rows.append(len(batch[0]))
+        return super().training_step(batch, batch_idx)
+
+
+def test_auto_reused_on_a_new_run_searches_again_from_the_loaders_batch_size():
+    """The size found belongs to its run: a fresh fit (global step 0, no checkpoint) starts from the loader's 16."""
+    x, y = make_data(64)
+    callback = AccumulationScheduler({0: 2}, micro_batch_size="auto")
+    trainer([callback], max_epochs=1).fit(OutOfMemoryAbove(limit=5), loader(x, y, 16))
+    assert callback.state_dict()["micro_batch_size_found"] == 4
+    model = CountsRows()
+    trainer([callback], max_epochs=1).fit(model, loader(x, y, 16))
+    assert model.rows == [16, 16, 16, 16]
+    assert callback.state_dict()["micro_batch_size_found"] == 16
+
+
+def test_auto_reused_keeps_the_size_found_when_the_fit_continues_or_resumes(tmp_path):
+    x, y = make_data(64)
+    callback = AccumulationScheduler({0: 2}, micro_batch_size="auto")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}")
+    fit = trainer([callback, checkpoint], max_epochs=1, enable_checkpointing=True)
+    model = OutOfMemoryAbove(limit=5)
+    fit.fit(model, loader(x, y, 16))
+    assert model.raised == 2
+    # continued: the same Trainer and module, fitted on to a later epoch (global step 2)
+    fit.fit_loop.max_epochs = 2
+    fit.fit(model, loader(x, y, 16))
+    assert model.raised == 2  # no search again
+    assert callback.state_dict()["micro_batch_size_found"] == 4
+    # an unrelated fresh fit searches again; a resumed one then takes the size from the checkpoint
+    trainer([callback], max_epochs=1).fit(CountsRows(), loader(x, y, 16))
+    assert callback.state_dict()["micro_batch_size_found"] == 16
+    resumed = OutOfMemoryAbove(limit=5, seed=99)
+    trainer([callback], max_epochs=2).fit(resumed, loader(x, y, 16), ckpt_path=tmp_path / "epoch=0.ckpt")
+    assert resumed.raised == 0
+    assert callback.state_dict()["micro_batch_size_found"] == 4
     assert max_deviation(weights(resumed), reference_weights(x, y, 16, [[2, 2], [2, 2]])) <= TOLERANCE
 
 

@@ -96,6 +96,42 @@ def test_the_probe_measures_the_real_model_and_picks_the_largest_micro_batch_tha
     assert [int(row.split("|")[1]) for row in rows] == [16]  # 512 does not fit the budget
 
 
+def test_a_probe_target_that_does_not_import_exits_2_naming_it_without_a_traceback():
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_accum.cli", "plan", "--global-batch", "8", "--micro-batch", "4"]
+        + ["--probe", "nosuch:X", "--memory-budget", "100"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "lightning-accum plan: error: argument --probe: no module named 'nosuch', got 'nosuch:X'"
+    )
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        ("nosuch:X", "no module named 'nosuch'"),
+        ("tests.nosuch:X", "no module named 'tests.nosuch'"),
+        ("tests.probe_model:Nope", "module 'tests.probe_model' has no attribute 'Nope'"),
+        (
+            "tests.helpers:RegressionModule",
+            "the probe builds its micro-batches from `RegressionModule.example_input_array`, which is not set",
+        ),
+    ],
+)
+def test_the_probe_process_answers_what_it_cannot_probe_for_the_command_to_name(target, says, capsys):
+    """What `plan --probe` prints after `argument --probe:` (the process above shows it for one)."""
+    assert main(["_probe", target, "2"]) == 2
+    answer = json.loads(capsys.readouterr().out)["unprobeable"]
+    assert answer == f"{says}, got {target!r}"
+
+
 def test_the_help_lists_only_the_public_commands_and_shows_the_defaults(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--help"])

@@ -145,7 +145,9 @@ class ItemWeighting(Feature):
         # handed to this hook is the fresh quotient that backward runs on. A window of typical micro-batches then
         # needs no correction at its end.
         divided = ctx.window.size * self._per_micro_batch
-        if isinstance(items, torch.Tensor):  # counted on the device: stay there
+        if ctx.weights_in_float32:  # the weight goes in with the gradient, in float32, never on the narrow loss
+            ctx.micro_weight = ctx.micro_weight * (items / self._per_micro_batch)
+        elif isinstance(items, torch.Tensor):  # counted on the device: stay there
             loss.mul_(items.to(loss.dtype) / self._per_micro_batch)
             # a micro-batch without items has a zero gradient: any positive divisor serves
             ctx.loss_divisor = divided / items.float().clamp(min=1.0)

@@ -3,18 +3,21 @@
 Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-true``, FSDP2 with a bfloat16
 ``param_dtype``), this feature makes the window's gradient the correctly rounded mean of its micro-batch gradients:
 
-- one device: each micro-batch's gradient is moved into a float32 buffer before the next backward
+- one device: every micro-batch backpropagates its unscaled loss (``ctx.weights_in_float32``: Lightning divides by
+  1), and its gradient is moved into a float32 buffer, times its weight (``ctx.micro_weight``: 1 / the window's size,
+  a split batch's share, the item weight), before the next backward
   (:class:`~lightning_accum.precision.WideAccumulator`; ``on_after_backward`` hooks see the micro-batch's own
-  gradient), and the window's mean is written back once before the step; parameters that are float32 already
-  accumulate in ``.grad`` as usual;
-- DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same for every trainable parameter, with DDP's own
+  gradient); the window's sum is written back once before the step, for every trainable parameter (float32 ones too:
+  their weights must not be applied to a narrow loss either);
+- DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same, with DDP's own
   reduction off for the whole window (``ctx.run.reduce_gradients_elsewhere``) and the float32 sums all-reduced once
   per window (``ctx.run.all_reduce_sum``; float32 communication: twice the bytes of bfloat16);
 - FSDP2 (``fully_shard``): the units' reduce dtype is widened, so FSDP2 itself keeps the unreduced gradients of
   ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once.
 
-Consumes ``ctx.gradient_scale`` at ``WINDOW_CLOSING`` where it accumulates: the scale is applied in float32 before
-the one rounding, and to the gradients of the parameters it does not hold.
+Publishes ``ctx.weights_in_float32`` (``FIT_START``); reads ``ctx.micro_weight`` (``BEFORE_BACKWARD``). Consumes
+``ctx.gradient_scale`` at ``WINDOW_CLOSING`` where it accumulates: the scale is applied in float32 before the one
+rounding, and to the gradients of the parameters it does not hold.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class WideAccumulation(Feature):
         self._reduces = False  # whether this feature all-reduces the window's sums, DDP's own reduction off
         self._restore: Any = None  # gives FSDP2 its reduce dtypes back
         self._active = False  # whether the window in progress accumulates here
+        self._weight: float | torch.Tensor = 1.0  # the weight of the gradient that moves next
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -92,14 +96,16 @@ class WideAccumulation(Feature):
             rank_zero_warn(f"AccumulationScheduler: gradients are accumulated in {narrow[0].dtype}: {error}")
             return
         self._accumulator = self._build(ctx)
+        ctx.weights_in_float32 = True  # the losses are backpropagated unscaled: weighed here, in the wide dtype
         ctx.summary.append(f"gradients accumulated in {name} (+{self._accumulator.nbytes / 2**20:.1f} MiB)")
 
     def _narrow(self, ctx: Context) -> list[torch.Tensor]:
         return [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
 
     def _covered(self, ctx: Context) -> list[torch.Tensor]:
-        # under DDP every trainable parameter: DDP's own reduction is off for the window, so all go through here
-        return [p for p in ctx.module.parameters() if p.requires_grad] if self._reduces else self._narrow(ctx)
+        # every trainable parameter: the losses are backpropagated unscaled, so the float32 ones are weighed here too
+        # (and under DDP its own reduction is off for the window)
+        return [p for p in ctx.module.parameters() if p.requires_grad]
 
     def _build(self, ctx: Context) -> WideAccumulator:
         return WideAccumulator(self._covered(ctx), self.dtype)
@@ -148,8 +154,9 @@ class WideAccumulation(Feature):
             if [id(p) for p in covered] != [id(p) for p in self._accumulator.params]:
                 # parameters were frozen or unfrozen (a backbone fine-tuning)
                 self._accumulator = WideAccumulator(covered, self.dtype)
-        # one backward rounds once anyway (a window of one loader batch that is not split)
-        self._active = self._accumulator is not None and (ctx.window.size > 1 or ctx.splitting)
+        # every window, one backward's too: its unscaled gradient is weighed here
+        self._active = self._accumulator is not None
+        self._weight = 1.0
         if self._reduces:
             ctx.run.reduce_gradients_elsewhere(self._active)
         if self._active:
@@ -162,7 +169,8 @@ class WideAccumulation(Feature):
         # on_after_backward hook (the LightningModule's, other callbacks') sees the micro-batch's own gradient
         if self._active:
             assert self._accumulator is not None
-            self._accumulator.add()
+            self._accumulator.add(self._weight)
+            self._weight = ctx.micro_weight  # this micro-batch's, for when its gradient moves
 
     @override
     def window_closing(self, ctx: Context) -> None:
@@ -170,7 +178,7 @@ class WideAccumulation(Feature):
             return
         accumulator = self._accumulator
         assert accumulator is not None
-        accumulator.add()  # the window's last micro-batch
+        accumulator.add(self._weight)  # the window's last micro-batch
         if self._reduces:
             accumulator.reduce(ctx.run.all_reduce_sum, ctx.world_size)
         accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
@@ -196,7 +204,7 @@ class WideAccumulation(Feature):
         if self._restore is not None:
             self._restore()
         self._accumulator = self._restore = None
-        self._active = self._reduces = False
+        self._active = self._reduces = ctx.weights_in_float32 = False
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -78,11 +78,16 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any] | None, str | None]] = {
     "ddp_mixed_float32": ("ddp", "32-true", None, "float32"),  # every parameter goes through the float32 sums
     "ddp_unused_float32": ("ddp", "bf16-true", None, "float32"),  # a parameter no rank uses keeps no gradient
     "ddp_static_float32": ("ddp", "bf16-true", None, "float32"),  # refused: DDP(static_graph=True)
+    # a factor that is no power of two: each loss backpropagated unscaled, 1/3 applied in float32
+    "ddp_float32_k3": ("ddp", "bf16-true", None, "float32"),
+    "ddp_float32_k3_fp16": ("ddp", "16-true", None, "float32"),
 }
+FACTORS = {"ddp_float32_k3": 3, "ddp_float32_k3_fp16": 3}  # the others: FACTOR
 
 
 def run(name: str, out: Path) -> None:
     kind, precision, shard, grad_accum_dtype = CONFIGS[name]
+    factor = FACTORS.get(name, FACTOR)
     if kind == "ddp":
         strategy: Any = DDPAccumulationStrategy(
             find_unused_parameters=name == "ddp_unused_float32", static_graph=name == "ddp_static_float32"
@@ -97,7 +102,7 @@ def run(name: str, out: Path) -> None:
         strategy=strategy,
         precision=precision,
         max_steps=1,
-        callbacks=[AccumulationScheduler({0: FACTOR}, grad_accum_dtype=grad_accum_dtype)],
+        callbacks=[AccumulationScheduler({0: factor}, grad_accum_dtype=grad_accum_dtype)],
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
@@ -105,8 +110,8 @@ def run(name: str, out: Path) -> None:
         enable_model_summary=False,
     )
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    x, y = make_data(2 * FACTOR * MICRO_BATCH)
-    half = slice(rank * FACTOR * MICRO_BATCH, (rank + 1) * FACTOR * MICRO_BATCH)
+    x, y = make_data(2 * factor * MICRO_BATCH)
+    half = slice(rank * factor * MICRO_BATCH, (rank + 1) * factor * MICRO_BATCH)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[half], y[half]), batch_size=MICRO_BATCH)
     module = Module(
         None if kind.startswith("ddp") else shard, head=name == "ddp_mixed_float32", unused="unused" in name
