@@ -284,24 +284,37 @@ def test_two_ranks_are_within_one_ulp_of_the_correctly_rounded_mean(two_ranks, n
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype"), [("ddp_float32_k3", torch.bfloat16), ("ddp_float32_k3_fp16", torch.float16)]
+    ("name", "dtype"),
+    [
+        ("ddp_float32_k3", torch.bfloat16),
+        ("ddp_float32_k3_fp16", torch.float16),
+        ("ddp_float32_k3_samples", torch.bfloat16),  # normalize_by="sample", rank 1's last micro-batch of 1 sample
+    ],
 )
 def test_two_ranks_at_factor_3_are_within_one_ulp_of_the_correctly_rounded_mean(two_ranks, name, dtype):
-    """Each micro-batch's gradient of its own unscaled loss, summed in float32 over both ranks, divided by 6."""
+    """Each micro-batch's gradient of its own unscaled loss, weighted (1/6, or its samples over the window's 21),
+    summed in float32 over both ranks and rounded once."""
     rank0, rank1 = _records(two_ranks, name)
     assert "raised" not in rank0, rank0.get("raised")
     assert rank0["grads"] == rank1["grads"]
     x, y = make_data(2 * 3 * MICRO_BATCH)
     net = make_net().to(dtype)
     sums = [torch.zeros_like(p, dtype=torch.float64) for p in net.parameters()]
-    for start in range(0, 2 * 3 * MICRO_BATCH, MICRO_BATCH):
+    short = 3 if name.endswith("samples") else 0
+    parts = [(s, min(s + MICRO_BATCH, 3 * MICRO_BATCH)) for s in range(0, 3 * MICRO_BATCH, MICRO_BATCH)]
+    parts += [
+        (s, min(s + MICRO_BATCH, 6 * MICRO_BATCH - short)) for s in range(3 * MICRO_BATCH, 6 * MICRO_BATCH, MICRO_BATCH)
+    ]
+    samples = sum(end - start for start, end in parts)
+    for start, end in parts:
         net.zero_grad()
         with _default_dtype(dtype):
-            part_loss = loss(net(x[start : start + MICRO_BATCH].to(dtype)), y[start : start + MICRO_BATCH].to(dtype))
+            part_loss = loss(net(x[start:end].to(dtype)), y[start:end].to(dtype))
         part_loss.backward()
+        weight = (end - start) / samples if short else 1 / 6
         for total, p in zip(sums, net.parameters(), strict=True):
-            total += p.grad.double()
-    expected = [(total / 6).to(dtype) for total in sums]
+            total += weight * p.grad.double()
+    expected = [total.to(dtype) for total in sums]
     worst = max(
         ulps(torch.tensor(grad).view_as(r).to(dtype), r).max().item()
         for grad, r in zip(rank0["grads"], expected, strict=True)

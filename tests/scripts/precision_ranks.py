@@ -81,8 +81,11 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any] | None, str | None]] = {
     # a factor that is no power of two: each loss backpropagated unscaled, 1/3 applied in float32
     "ddp_float32_k3": ("ddp", "bf16-true", None, "float32"),
     "ddp_float32_k3_fp16": ("ddp", "16-true", None, "float32"),
+    # sample weighting with ragged ranks: rank 1's last micro-batch holds 1 sample (12 + 9 samples in the window)
+    "ddp_float32_k3_samples": ("ddp", "bf16-true", None, "float32"),
 }
-FACTORS = {"ddp_float32_k3": 3, "ddp_float32_k3_fp16": 3}  # the others: FACTOR
+FACTORS = {"ddp_float32_k3": 3, "ddp_float32_k3_fp16": 3, "ddp_float32_k3_samples": 3}  # the others: FACTOR
+RANK_1_SHORT_BY = {"ddp_float32_k3_samples": 3}
 
 
 def run(name: str, out: Path) -> None:
@@ -102,7 +105,13 @@ def run(name: str, out: Path) -> None:
         strategy=strategy,
         precision=precision,
         max_steps=1,
-        callbacks=[AccumulationScheduler({0: factor}, grad_accum_dtype=grad_accum_dtype)],
+        callbacks=[
+            AccumulationScheduler(
+                {0: factor},
+                grad_accum_dtype=grad_accum_dtype,
+                normalize_by="sample" if name in RANK_1_SHORT_BY else "micro_batch",
+            )
+        ],
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
@@ -111,7 +120,8 @@ def run(name: str, out: Path) -> None:
     )
     rank = int(os.environ.get("LOCAL_RANK", 0))
     x, y = make_data(2 * factor * MICRO_BATCH)
-    half = slice(rank * factor * MICRO_BATCH, (rank + 1) * factor * MICRO_BATCH)
+    short = RANK_1_SHORT_BY.get(name, 0) if rank == 1 else 0
+    half = slice(rank * factor * MICRO_BATCH, (rank + 1) * factor * MICRO_BATCH - short)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[half], y[half]), batch_size=MICRO_BATCH)
     module = Module(
         None if kind.startswith("ddp") else shard, head=name == "ddp_mixed_float32", unused="unused" in name
