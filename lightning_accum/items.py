@@ -63,7 +63,8 @@ def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100
         key: Where the labels are.
         ignore_index: The label value that bears no loss (``cross_entropy``'s default is -100).
         shift: The model shifts the labels inside (a causal LM predicts token t + 1 at t): each sequence's first
-            label bears no loss, so only ``labels[..., 1:]`` are counted.
+            label bears no loss, so only ``labels[..., 1:]`` are counted; a batch's ``shift_labels``, which such a
+            model takes as given, are counted instead.
 
     Raises:
         KeyError: If ``batch`` has no entry ``key``.
@@ -84,6 +85,8 @@ def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100
         ) from error
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"normalize_by='token' expects a tensor at `token_key={key!r}`, got {type(labels).__name__}")
+    if shift and isinstance(batch, Mapping) and isinstance(batch.get("shift_labels"), torch.Tensor):
+        return (batch["shift_labels"] != ignore_index).sum()  # shifted already: the model takes them as given
     return ((labels[..., 1:] if shift else labels) != ignore_index).sum()
 
 
@@ -109,8 +112,10 @@ def token_head(module: Any) -> tuple[str, bool] | None:
 
     A transformers model declares its task by its head's class, registered in transformers' auto mappings: a causal
     LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``: Llama, GPT-2, ...) shifts its labels inside, so one label per sequence
-    bears no loss; a sequence-to-sequence or masked LM (T5, BART, BERT, ...) averages over its labels as given.
-    ``None`` when transformers is not imported or no such model is in ``module``.
+    bears no loss; a sequence-to-sequence or masked LM (T5, BART, BERT, ...) averages over its labels as given, and so
+    do the few causal-LM heads that never shift (``_AS_GIVEN``: XLM, XLNet, ProphetNet). Only models with trainable
+    parameters count (a frozen teacher's loss is not the one trained on). ``None`` when transformers is not imported,
+    no such model is in ``module``, or trainable ones disagree.
 
     Example::
 
@@ -122,14 +127,27 @@ def token_head(module: Any) -> tuple[str, bool] | None:
     from transformers.models.auto import modeling_auto
 
     causal = _class_names(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    as_given = _class_names(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES) | _class_names(
-        modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    as_given = (
+        _class_names(modeling_auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+        | _class_names(modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+        | _AS_GIVEN
     )
+    found: dict[str, bool] = {}
     for submodule in module.modules():
-        for kind in type(submodule).__mro__:
-            if kind.__module__.startswith("transformers.") and kind.__name__ in causal | as_given:
-                return type(submodule).__name__, kind.__name__ in causal
-    return None
+        kind = next(
+            (
+                k
+                for k in type(submodule).__mro__
+                if k.__module__.startswith("transformers.") and k.__name__ in causal | as_given
+            ),
+            None,
+        )
+        if kind is not None and any(p.requires_grad for p in submodule.parameters()):
+            found[type(submodule).__name__] = kind.__name__ not in as_given
+    if len(set(found.values())) != 1:  # none, or heads that count differently
+        return None
+    name = next(iter(found))
+    return name, found[name]
 
 
 def token_counter(module: Any, token_key: str | int, ignore_index: int) -> tuple[Callable[[Any], Any], str | None]:
@@ -169,6 +187,10 @@ def labels_repeat_inputs(batch: Any, key: str | int, ignore_index: int) -> bool:
         return False
     bearing = labels != ignore_index
     return bool(bearing.any()) and torch.equal(labels[bearing], inputs[bearing])
+
+
+# causal-LM heads (in transformers' causal registry) whose loss takes the labels as given (read in transformers 5.24)
+_AS_GIVEN = {"XLMWithLMHeadModel", "XLNetLMHeadModel", "ProphetNetForCausalLM"}
 
 
 def _class_names(mapping: Mapping[str, Any]) -> set[str]:

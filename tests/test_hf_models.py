@@ -230,3 +230,33 @@ def _reference_two(model: nn.Module, both: dict[str, torch.Tensor]) -> list[torc
         (losses / (labels != -100).sum()).backward()
         optimizer.step()
     return [value.detach().clone() for value in model.state_dict().values()]
+
+
+# ------------------------------------------------------------------ which model counts, and how
+
+
+def test_only_a_trainable_model_counts_and_heads_that_disagree_count_as_given():
+    from lightning_accum.items import token_head
+
+    teacher, student = make_model("masked"), make_model("causal")
+    teacher.requires_grad_(False)  # a frozen teacher: its loss is not the one trained on
+    both = nn.ModuleDict({"teacher": teacher, "student": student})
+    assert token_head(both) == ("LlamaForCausalLM", True)
+    teacher.requires_grad_(True)  # two trained heads that count differently: no rule is taken
+    assert token_head(both) is None
+
+
+def test_labels_shifted_by_the_collate_are_counted_as_given():
+    from lightning_accum.items import count_tokens
+
+    labels = torch.tensor([[5, 6, 7, -100]])
+    batch = {"labels": labels, "shift_labels": torch.tensor([[6, 7, -100, -100]])}
+    assert int(count_tokens(batch, shift=True)) == 2  # the model averages over shift_labels as given
+    assert int(count_tokens({"labels": labels}, shift=True)) == 2  # labels[..., 1:]: 6, 7
+
+
+def test_a_causal_lm_head_that_takes_its_labels_as_given_is_counted_as_given():
+    from lightning_accum.items import token_head
+
+    config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2, max_position_embeddings=16)
+    assert token_head(transformers.XLMWithLMHeadModel(config)) == ("XLMWithLMHeadModel", False)
