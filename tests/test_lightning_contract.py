@@ -219,7 +219,9 @@ def test_the_tqdm_bar_resets_its_total_in_its_own_epoch_start_hook_which_runs_af
             seen.append(("after", trainer.progress_bar_callback.train_progress_bar.total))
 
     x, y = make_data(16)
-    fit = trainer([Before()], max_epochs=1, enable_progress_bar=True, default_root_dir=tmp_path)
+    # the bar listed after the user's callback, as Lightning appends its default one (RichProgressBar where rich is
+    # installed, as the test extra's transformers brings it)
+    fit = trainer([Before(), TQDMProgressBar()], max_epochs=1, enable_progress_bar=True, default_root_dir=tmp_path)
     assert isinstance(fit.progress_bar_callback, TQDMProgressBar)
     fit.callbacks.append(After())
     fit.fit(RegressionModule(), loader(x, y, 4))
