@@ -22,6 +22,11 @@ only add all-reduces there.
 FSDP2 keeps the gradients of skipped reductions in its own unsharded buffers, which ``optimizer.zero_grad()`` does
 not reach: :func:`drop_fsdp2_pending_gradients` clears them when a window is abandoned before its last micro-step.
 Both read torch-private FSDP2 state (torch 2.4 to 2.13; ``tests/test_torch_contract.py`` fails if it changes).
+
+FSDP2 all-gathers and reduce-scatters a unit only on the ranks that run it, so a unit that some ranks skip
+(conditional compute) pairs the ranks' collectives wrongly, whatever the policy. :class:`FSDP2CollectiveGuard` makes
+the ranks agree, on a small gloo group of its own, before each FSDP2 collective, at the end of each forward and
+backward and before each optimizer step, and raises the same error on every rank where they differ.
 """
 
 from __future__ import annotations
@@ -194,3 +199,212 @@ def _set_policy(group: Any, policy: Any) -> None:
     group.mp_policy = policy
     if all(hasattr(p, "reduce_dtype") for p in group.fsdp_params):  # FSDP2 initialised its dtypes already
         group._init_mp_dtypes()
+
+
+# ------------------------------------------------------------------ the ranks agree before each FSDP2 collective
+
+ALL_GATHER_FORWARD, ALL_GATHER_BACKWARD, REDUCE_SCATTER, FORWARD_END, BACKWARD_END, OPTIMIZER_STEP = range(1, 7)
+_FIELDS = 5  # per rank: event, unit, bytes, the collective group's first rank, a flag (the step's pending gradients)
+_GUARD_GROUP: list[Any] = []  # weak references to the default process group and the guard group made under it
+
+
+def _guard_group() -> Any:
+    """A gloo group over every rank, of the guard's own: created once per default process group, on every rank.
+
+    Its own so that an agreement never pairs with another collective; gloo so that it runs on the CPU (under NCCL a
+    CUDA collective read on the host would wait for the GPU's queue). Creating it is a collective, so every rank
+    asks at the same point (the strategy's setup), and every rank finds it made or not alike: it lives as long as
+    the default group it was made under (torch keeps both until ``destroy_process_group()``; held weakly here, so
+    that they and their store's port go then).
+    """
+    import weakref
+
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _GUARD_GROUP and _GUARD_GROUP[0]() is world and _GUARD_GROUP[1]() is not None:
+        return _GUARD_GROUP[1]()
+    group = dist.new_group(backend="gloo")
+    _GUARD_GROUP[:] = [weakref.ref(world), weakref.ref(group)]
+    return group
+
+
+def _in_backward() -> bool:
+    import torch
+
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class _AgreedAllGather:
+    """An FSDP2 ``AllGather`` comm that makes the ranks agree before delegating to the one it wraps."""
+
+    def __init__(self, inner: Any, guard: FSDP2CollectiveGuard, unit: int) -> None:
+        self.inner, self.guard, self.unit = inner, guard, unit
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, async_op: bool = False) -> Any:
+        event = ALL_GATHER_BACKWARD if _in_backward() else ALL_GATHER_FORWARD
+        self.guard.agree(event, self.unit, input_tensor.numel() * input_tensor.element_size(), group)
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, async_op=async_op)
+
+
+class _AgreedReduceScatter:
+    """An FSDP2 ``ReduceScatter`` comm that makes the ranks agree before delegating to the one it wraps."""
+
+    def __init__(self, inner: Any, guard: FSDP2CollectiveGuard, unit: int) -> None:
+        self.inner, self.guard, self.unit = inner, guard, unit
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: Any, input_tensor: Any, group: Any, op: Any, async_op: bool = False) -> Any:
+        self.guard.agree(REDUCE_SCATTER, self.unit, input_tensor.numel() * input_tensor.element_size(), group)
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op, async_op=async_op)
+
+
+class FSDP2CollectiveGuard:
+    """Make the ranks agree on each FSDP2 collective of ``module`` before any rank issues it; raise on all if not.
+
+    FSDP2 all-gathers a unit's parameters (in its forward, and in its backward after resharding) and reduce-scatters
+    its gradients only on the ranks that run that unit. A unit that some ranks skip (conditional compute, a mixture
+    of experts, a head used only sometimes) pairs one rank's collective with another collective of the other ranks:
+    gloo aborts a process ("Received data size doesn't match expected size"; measured in torch 2.13 on every
+    ``gradient_sync`` policy, with no result from either rank), NCCL hangs or reduces the wrong tensors.
+
+    The guard wraps every param group's all-gather and reduce-scatter comm (FSDP2's ``Comm`` objects, those
+    ``set_custom_all_gather``/``set_custom_reduce_scatter`` replace) so that each first all-gathers, on a gloo group
+    of the guard's own, what every rank is about to issue (5 integers a rank); it does the same at the end of each
+    top-level FSDP2 module's forward, of each backward (:meth:`backward_ended`) and before each optimizer step
+    (:meth:`pending_ranks`). Where the ranks differ, every rank raises the same ``RuntimeError`` before the collective
+    that would have paired wrongly. The cost is one such small CPU collective per FSDP2 collective. Construct it on
+    every rank at the same point (it may create its group, a collective).
+
+    Args:
+        module: The model, with ``fully_shard`` applied to it or to its submodules.
+        names_from: The module whose ``named_modules()`` name the units in messages (default ``module``).
+    """
+
+    def __init__(self, module: nn.Module, names_from: nn.Module | None = None) -> None:
+        import torch.distributed as dist
+
+        self.module = module
+        self.group = _guard_group()
+        self.world_size = dist.get_world_size(self.group)
+        self._group_keys: dict[int, tuple[Any, int]] = {}
+        names = {sub: name for name, sub in (names_from or module).named_modules()}
+        units = fsdp2_modules(module)
+        self._module_names = [names.get(unit, type(unit).__name__) or "the root module" for unit in units]
+        self._group_names: list[str] = []
+        self._wrapped: list[tuple[Any, Any, Any]] = []  # (param group, all-gather comm, reduce-scatter comm)
+        for unit, name in zip(units, self._module_names, strict=True):
+            groups = list(getattr(unit._get_fsdp_state(), "_fsdp_param_groups", []))  # type: ignore[operator]
+            for group in groups:
+                index = len(self._group_names)
+                self._group_names.append(name if len(groups) == 1 else f"{name} (param group {index})")
+                if not (hasattr(group, "_all_gather_comm") and hasattr(group, "_reduce_scatter_comm")):
+                    continue  # an older torch without comm objects: only the boundaries below agree
+                all_gather, reduce_scatter = group._all_gather_comm, group._reduce_scatter_comm
+                while isinstance(all_gather, _AgreedAllGather):  # a guard of an earlier fit was left in place
+                    all_gather = all_gather.inner
+                while isinstance(reduce_scatter, _AgreedReduceScatter):
+                    reduce_scatter = reduce_scatter.inner
+                self._wrapped.append((group, all_gather, reduce_scatter))
+                group._all_gather_comm = _AgreedAllGather(all_gather, self, index)
+                group._reduce_scatter_comm = _AgreedReduceScatter(reduce_scatter, self, index)
+        inner = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
+        self._hooks = [  # at the end of each top-level unit's forward (the root's, where there is one)
+            unit.register_forward_hook(self._forward_hook(index))
+            for index, unit in enumerate(units)
+            if id(unit) not in inner
+        ]
+
+    def remove(self) -> None:
+        """Give every param group its comms back and remove the forward hooks."""
+        for group, all_gather, reduce_scatter in self._wrapped:
+            group._all_gather_comm, group._reduce_scatter_comm = all_gather, reduce_scatter
+        for hook in self._hooks:
+            hook.remove()
+        self._wrapped, self._hooks = [], []
+        self.group = None  # the default process group keeps it for the next guard
+
+    def _forward_hook(self, index: int) -> Callable[..., None]:
+        import torch
+
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.agree(FORWARD_END, index)
+
+        return hook
+
+    def backward_ended(self) -> None:
+        """Agree that every rank finished its backward (none is left waiting in a reduce-scatter)."""
+        self.agree(BACKWARD_END)
+
+    def pending_ranks(self, pending: bool) -> list[int]:
+        """Agree that every rank is about to step; the ranks that hold gradients no reduction has reached."""
+        rows = self.agree(OPTIMIZER_STEP, flag=int(pending))
+        return [rank for rank, row in enumerate(rows) if row[4]]
+
+    def agree(self, event: int, unit: int = -1, nbytes: int = 0, group: Any = None, flag: int = 0) -> list[list[int]]:
+        """All-gather what each rank is about to do; raise on every rank if they differ.
+
+        Ranks must agree on the event and the unit, and ranks in the same collective group on its size in bytes.
+        """
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([event, unit, nbytes, self._group_key(group), flag], dtype=torch.int64)
+        everyone = [torch.empty(_FIELDS, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.group)
+        rows = [row.tolist() for row in everyone]
+        first = rows[0]
+        same_size: dict[int, int] = {}  # collective group -> bytes
+        for row in rows:
+            if row[:2] != first[:2] or same_size.setdefault(row[3], row[2]) != row[2]:
+                raise RuntimeError(self._message(rows))
+        return rows
+
+    def _group_key(self, group: Any) -> int:
+        if group is None:
+            return -1
+        cached = self._group_keys.get(id(group))
+        if cached is None or cached[0] is not group:
+            import torch.distributed as dist
+
+            cached = (group, min(dist.get_process_group_ranks(group)))
+            self._group_keys[id(group)] = cached
+        return cached[1]
+
+    def _describe(self, row: list[int]) -> str:
+        event, unit, nbytes = row[:3]
+        if event == FORWARD_END:
+            return f"the end of `{self._module_names[unit]}`'s forward"
+        if event == BACKWARD_END:
+            return "the end of the backward"
+        if event == OPTIMIZER_STEP:
+            return "the optimizer step"
+        name = self._group_names[unit]
+        if event == REDUCE_SCATTER:
+            return f"the reduce-scatter of `{name}`'s gradients ({nbytes} bytes)"
+        phase = "backward" if event == ALL_GATHER_BACKWARD else "forward"
+        return f"the all-gather of `{name}`'s parameters for its {phase} ({nbytes} bytes)"
+
+    def _message(self, rows: list[list[int]]) -> str:
+        ranks: dict[str, list[int]] = {}
+        for rank, row in enumerate(rows):
+            ranks.setdefault(self._describe(row), []).append(rank)
+        where = "; ".join(
+            f"{'rank' if len(who) == 1 else 'ranks'} {', '.join(map(str, who))}: {what}" for what, who in ranks.items()
+        )
+        return (
+            f"FSDP2 units ran differently on the ranks: the ranks are about to issue different collectives ({where}),"
+            " which would hang or crash the run, so every rank raises here instead. Every FSDP2 unit (a module given"
+            " to `fully_shard`) must run its forward and backward on every rank, in the same order, in every"
+            " micro-step: a unit that only some ranks run (conditional compute, a mixture of experts, a head used"
+            " only sometimes) cannot be all-gathered or reduced. Call it on every rank, with zero weight where its"
+            " result is not needed (`h = h + 0 * unit(h)`), or leave it out of `fully_shard` so that it belongs to"
+            " a unit every rank runs, and call `set_reduce_scatter_unused_params(True)` on that unit"
+        )

@@ -2,13 +2,15 @@
 
 The FSDP2 state that lightning_accum/sync.py reads and clears: if these fail after a torch upgrade,
 ``fsdp2_pending_gradients`` and ``drop_fsdp2_pending_gradients`` must be revisited (an abandoned window's gradients
-would leak into the next one, or a step on unreduced gradients would go unnoticed). And
-``torch._utils._flatten_dense_tensors``, with which the noise scale squares many small gradients in one dot.
+would leak into the next one, or a step on unreduced gradients would go unnoticed). The param groups' comm objects
+that ``FSDP2CollectiveGuard`` wraps, and the keywords FSDP2 calls them with (else a unit that one rank skips would
+hang or crash the run again instead of raising). And ``torch._utils._flatten_dense_tensors``, with which the noise
+scale squares many small gradients in one dot.
 """
 
 from __future__ import annotations
 
-import os
+import socket
 
 import pytest
 import torch
@@ -17,13 +19,24 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from lightning_accum.sync import drop_fsdp2_pending_gradients, fsdp2_pending_gradients, skip_gradient_sync
+from lightning_accum.sync import (
+    FORWARD_END,
+    FSDP2CollectiveGuard,
+    drop_fsdp2_pending_gradients,
+    fsdp2_pending_gradients,
+    skip_gradient_sync,
+)
 
 
 @pytest.fixture
-def one_rank_mesh():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29671")
+def one_rank_mesh(monkeypatch):
+    # a free port, and only for this test: a MASTER_PORT left in os.environ would be inherited by the two-process
+    # launches of later tests, whose rank 0 then cannot listen on it (EADDRINUSE) or waits for a store never started
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield init_device_mesh("cpu", (1,))
@@ -72,6 +85,51 @@ def test_dropping_pending_gradients_forgets_the_abandoned_micro_steps(one_rank_m
     reference = _sharded(one_rank_mesh)
     reference(x[3:]).sum().backward()  # only the new window
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_grads(net), _grads(reference), strict=True))
+
+
+def test_the_comms_the_guard_wraps_are_fsdp2s_and_are_called_with_its_keywords(one_rank_mesh):
+    import re
+    from inspect import getsource
+
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import foreach_all_gather, foreach_reduce
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    net = _sharded(one_rank_mesh)
+    groups = [g for m in net.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    assert len(groups) == 2
+    defaults = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+    assert {(type(a).__name__, type(r).__name__) for a, r in defaults} == {("DefaultAllGather", "DefaultReduceScatter")}
+    # FSDP2 hands each param group's comms to its collectives, and calls them by keyword
+    assert re.search(r"all_gather_comm\(\s*output_tensor=\w+,\s*input_tensor=", getsource(foreach_all_gather))
+    assert re.search(r"reduce_scatter_comm\(\s*output_tensor=\w+,\s*input_tensor=", getsource(foreach_reduce))
+    source = getsource(FSDPParamGroup)
+    assert "self._all_gather_comm," in source
+    assert "self._reduce_scatter_comm," in source
+
+    seen = []
+    guard = FSDP2CollectiveGuard(net)
+    assert guard.agree(FORWARD_END, 0) == [[FORWARD_END, 0, 0, -1, 0]]  # one rank: the agreement is its own row
+    guard.agree = lambda event, *args, **kwargs: seen.append(event) or []  # type: ignore[method-assign]
+    try:
+        assert all(type(g._all_gather_comm).__name__ == "_AgreedAllGather" for g in groups)
+        output, wrapped = torch.empty(4), groups[0]._all_gather_comm
+        assert wrapped(output_tensor=output, input_tensor=torch.ones(4), group=dist.group.WORLD) is None
+        assert output.tolist() == [1.0] * 4  # delegated to torch's all-gather
+        net(torch.randn(2, 3)).sum().backward()
+        assert FORWARD_END in seen  # the end of the root's forward
+    finally:
+        guard.remove()
+    assert [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups] == defaults
+
+
+def test_the_current_graph_task_id_tells_a_backward_apart():
+    inside = []
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(lambda grad: inside.append(torch._C._current_graph_task_id()))
+    x.sum().backward()
+    assert torch._C._current_graph_task_id() == -1
+    assert len(inside) == 1
+    assert inside[0] != -1
 
 
 def test_flatten_dense_tensors_concatenates_any_shapes_and_layouts_into_one_new_vector():

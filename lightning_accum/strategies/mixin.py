@@ -26,10 +26,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum.sync import (
+    FSDP2CollectiveGuard,
     GradientSync,
     can_control,
     check_gradient_sync,
     drop_fsdp2_pending_gradients,
+    fsdp2_modules,
     fsdp2_pending_gradients,
     skip_gradient_sync,
 )
@@ -56,7 +58,11 @@ class AccumulationStrategyMixin:
 
     ``gradient_sync="reduce_scatter"`` is ``"every"`` with HSDP's all-reduce across replicas deferred to the window's
     end (every sharded unit must take part in the window's last backward; a step that would miss a deferred sum
-    raises).
+    raises, on every rank).
+
+    Under FSDP2 on 2 or more ranks the ranks also agree before each FSDP2 collective (``check_collectives``): a
+    ``fully_shard`` unit that only some ranks run (conditional compute) raises the same error on every rank, before
+    the collective that would hang or crash the run.
 
     Args:
         *args: Passed to the strategy the mixin is combined with.
@@ -65,11 +71,17 @@ class AccumulationStrategyMixin:
             every micro-step so each rank holds only its gradient shard (least memory; one reduction per
             micro-step). ``"reduce_scatter"``: as ``"every"``, with HSDP's all-reduce across replicas deferred to the
             window's end. See ``docs/strategies.md`` for the memory arithmetic.
+        check_collectives: Under FSDP2 on several ranks, make the ranks agree before each FSDP2 collective (one
+            small CPU collective each, on a gloo group of the strategy's own), so that a ``fully_shard`` unit that
+            only some ranks run raises the same error on every rank instead of hanging or crashing the run (see
+            :class:`~lightning_accum.sync.FSDP2CollectiveGuard`). ``False`` saves those collectives and trusts every
+            rank to run every unit, as stock FSDP2 does. No effect on DDP and FSDP1.
         **kwargs: Passed to the strategy the mixin is combined with.
 
     Raises:
         TypeError: If the mixin is combined with a strategy that is not a Lightning ``ParallelStrategy``.
-        ValueError: If ``gradient_sync`` is unknown, or the strategy accumulates gradients by itself (DeepSpeed).
+        ValueError: If ``gradient_sync`` is unknown, ``check_collectives`` is not a bool, or the strategy accumulates
+            gradients by itself (DeepSpeed).
 
     Example::
 
@@ -90,12 +102,20 @@ class AccumulationStrategyMixin:
     _sync_blocked: bool  # inside block_backward_sync
     _reduction_skipped: bool  # the latest backward ran with its gradient reduction skipped
     _window_ends: Callable[[], bool] | None
+    _check_collectives: bool
+    _guard: FSDP2CollectiveGuard | None  # FSDP2 on several ranks: the ranks agree before each collective
 
-    def __init__(self, *args: Any, gradient_sync: GradientSync = "last", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, gradient_sync: GradientSync = "last", check_collectives: bool = True, **kwargs: Any
+    ) -> None:
         self._gradient_sync = check_gradient_sync(gradient_sync)
+        if not isinstance(check_collectives, bool):
+            raise ValueError(f"`check_collectives` must be True or False, got {check_collectives!r}")
+        self._check_collectives = check_collectives
         self._sync_blocked = False
         self._reduction_skipped = False
         self._window_ends = None
+        self._guard = None
         super().__init__(*args, **kwargs)
         if not isinstance(self, ParallelStrategy):
             raise TypeError(
@@ -178,9 +198,17 @@ class AccumulationStrategyMixin:
         self._reduction_skipped = False
 
     def setup(self, trainer: pl.Trainer) -> None:
-        """Set up the parent strategy, then warn if there is no gradient communication to control."""
+        """Set up the parent strategy, then warn if there is no gradient communication to control.
+
+        Under FSDP2 on several ranks, also make the ranks agree before each FSDP2 collective (see
+        :class:`~lightning_accum.sync.FSDP2CollectiveGuard`): a unit that only some ranks run raises on every rank
+        instead of hanging or crashing the run.
+        """
         super().setup(trainer)  # type: ignore[misc]
         strategy: Any = self
+        self._remove_guard()
+        if self._check_collectives and trainer.world_size > 1 and fsdp2_modules(strategy.model):
+            self._guard = FSDP2CollectiveGuard(strategy.model)
         fitting = trainer.state.fn == TrainerFn.FITTING  # Lightning wraps the model in DDP only to fit
         if fitting and trainer.world_size > 1 and not can_control(strategy.model):
             rank_zero_warn(
@@ -188,9 +216,26 @@ class AccumulationStrategyMixin:
                 " (in `configure_model`), so there is no gradient communication to control"
             )
 
+    def teardown(self) -> None:
+        """Give FSDP2 its own collectives back, then tear the parent strategy down."""
+        self._remove_guard()
+        super().teardown()  # type: ignore[misc]
+
+    def _remove_guard(self) -> None:
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+
     def post_backward(self, closure_loss: Tensor) -> None:
-        """Remember whether this backward's gradient reduction was skipped."""
+        """Remember whether this backward's gradient reduction was skipped; under FSDP2, agree that it ended.
+
+        Raises:
+            RuntimeError: Under FSDP2 on several ranks, on every rank, if another rank is still in its backward
+                (about to reduce-scatter the gradients of a unit that this rank did not run).
+        """
         super().post_backward(closure_loss)  # type: ignore[misc]
+        if self._guard is not None:
+            self._guard.backward_ended()
         strategy: Any = self
         self._reduction_skipped = (
             self._sync_blocked
@@ -209,11 +254,17 @@ class AccumulationStrategyMixin:
 
         def checked_closure() -> Any:
             result = closure()
-            if self._reduction_skipped or (strategy.world_size > 1 and fsdp2_pending_gradients(strategy.model)):
+            pending = self._reduction_skipped or (strategy.world_size > 1 and fsdp2_pending_gradients(strategy.model))
+            where = ""
+            if self._guard is not None:  # every rank learns whether any rank holds such gradients
+                ranks = self._guard.pending_ranks(pending)
+                pending = bool(ranks)
+                where = f" (on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
+            if pending:
                 raise RuntimeError(
-                    "The optimizer is about to step on gradients whose reduction across ranks has not run: the last"
-                    " backward ran inside `block_backward_sync()` (in manual optimization, run the window's last"
-                    " micro-step outside it: see lightning_accum.ManualAccumulation), or, with"
+                    f"The optimizer is about to step on gradients whose reduction across ranks has not run{where}:"
+                    " the last backward ran inside `block_backward_sync()` (in manual optimization, run the window's"
+                    " last micro-step outside it: see lightning_accum.ManualAccumulation), or, with"
                     " gradient_sync='reduce_scatter' on HSDP, a sharded unit took no part in the window's last"
                     " backward (use gradient_sync='last' or 'every')"
                 )
