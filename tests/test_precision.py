@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.precision import WideAccumulator, check_grad_accum_dtype, narrower
-from tests.helpers import trainer
+from tests.helpers import DictDataset, trainer
 
 FEATURES, FACTOR, MICRO_BATCH = 64, 32, 4
 
@@ -463,7 +463,7 @@ def test_the_step_gradient_is_within_one_ulp_of_the_correctly_rounded_weighted_m
     callback = AccumulationScheduler(
         {0: factor}, grad_accum_dtype="float32", normalize_by="token" if tokens else "micro_batch", log_metrics=False
     )
-    loader = torch.utils.data.DataLoader(DictData(data), batch_size=MICRO_BATCH)
+    loader = torch.utils.data.DataLoader(DictDataset(data), batch_size=MICRO_BATCH)
     trainer([callback], max_epochs=1, precision=precision).fit(module, loader)
     windows = [min(factor, micro_batches - start) for start in range(0, micro_batches, factor)]
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float16
@@ -487,17 +487,6 @@ def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-class DictData(torch.utils.data.Dataset):
-    def __init__(self, data: dict[str, torch.Tensor]) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data["x"])
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {key: value[index] for key, value in self.data.items()}
-
-
 class ScaledModule(TokenModule):
     """A bfloat16 linear map times a float32 scale (kept float32 under bf16-true): the scale's gradient is float32."""
 
@@ -517,7 +506,7 @@ class ScaledModule(TokenModule):
 def _scale_gradient(data: dict[str, torch.Tensor], grad_accum_dtype: str | None) -> torch.Tensor:
     module = ScaledModule()
     callback = AccumulationScheduler({0: 3}, grad_accum_dtype=grad_accum_dtype, log_metrics=False)
-    loader = torch.utils.data.DataLoader(DictData(data), batch_size=MICRO_BATCH)
+    loader = torch.utils.data.DataLoader(DictDataset(data), batch_size=MICRO_BATCH)
     trainer([callback], max_epochs=1, precision="bf16-true").fit(module, loader)
     return module.seen[[p is module.scale for p in module.parameters()].index(True)]
 
