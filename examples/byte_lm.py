@@ -136,7 +136,8 @@ class ByteLM(pl.LightningModule):
 
     def configure_optimizers(self):  # noqa: ANN201
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        # the true number of optimizer steps under the accumulation schedule (Lightning's own estimate ignores it)
+        # sized in the optimizer steps the accumulation schedule implies (Lightning's own estimate ignores it), and
+        # moved by the samples consumed, so that it ends where the data ends however the factor grows
         total = int(lightning_accum.estimated_stepping_batches(self.trainer))
         scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=self.hparams.lr, total_steps=total)
-        return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
+        return [optimizer], [{"scheduler": lightning_accum.SampleDrivenLR(scheduler), "interval": "step"}]

@@ -4,6 +4,7 @@ from lightning_accum import _instantiate
 from lightning_accum.__about__ import __version__
 from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches
 from lightning_accum.manual import ManualAccumulation, MicroStep
+from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.strategies import (
     AccumulationStrategyMixin,
     DDPAccumulationStrategy,
@@ -23,6 +24,7 @@ __all__ = [
     "ManualAccumulation",
     "MicroStep",
     "ModelParallelAccumulationStrategy",
+    "SampleDrivenLR",
     "__version__",
     "estimated_stepping_batches",
 ]

@@ -1,4 +1,4 @@
-"""Micro-batching inside a loader batch: ``micro_batch_size=m`` and ``micro_batch_size="auto"``.
+"""Micro-batching inside a loader batch: ``micro_batch_size=m``, ``micro_batch_size="auto"``, the noise scale's halves.
 
 Lightning runs ``training_step`` once per loader batch. While a fit runs with splitting, :class:`MicroBatcher`
 shadows the module's ``training_step`` with one that slices the loader batch into micro-batches of ``size`` rows
@@ -22,6 +22,10 @@ and ``"token"`` the item weighting does it.
   memory may do so again on a longer batch, and a fixed size keeps a run reproducible. The size found belongs to its
   run: a fit resumed from a checkpoint takes the checkpoint's, a fit that continues (global step above 0) keeps it,
   and a new run (global step 0, no checkpoint) searches again from the loader batch's size.
+- the noise scale's halves (``adaptive=True`` at factor 1 on one process): installed with no ``size``, it hands each
+  loader batch on whole, except in a window the noise scale measures, whose loader batch it splits in ``parts()``
+  (two) as ``m`` does. A window it hands on whole is zeroed by Lightning as always; one it splits, through the same
+  public hooks, by the micro-batcher (:attr:`MicroBatcher.zeroes`).
 
 Lightning glue: it shadows ``training_step`` on the module instance for the fit and removes the shadow after it.
 """
@@ -30,7 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -64,7 +69,8 @@ class MicroBatcher:
     """Split each loader batch into micro-batches, and in ``"auto"`` mode find the size that fits.
 
     Args:
-        size: Rows per micro-batch, or ``None`` to start ``"auto"`` at the loader batch's size.
+        size: Rows per micro-batch; ``None``: ``"auto"`` starts at the loader batch's size, otherwise a loader batch is
+            split only into the ``parts`` :meth:`install` is given.
         auto: Halve the size on an out-of-memory error and retry the loader batch.
 
     Example::
@@ -83,26 +89,40 @@ class MicroBatcher:
         self._trainer: Any = None
         self._owner: Owner | None = None
         self._window: Window | None = None
+        self._parts: Callable[[], int] = _whole
         self.changes: list[tuple[int, int]] = []  # (old size, new size), for the summary
         self.anchored = False  # the backward Lightning runs now is the anchor's: no micro-batch's
         self._report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's mean loss and its items
 
-    def install(self, trainer: Any, module: Any, owner: Owner, window: Window) -> None:
+    def install(
+        self, trainer: Any, module: Any, owner: Owner, window: Window, parts: Callable[[], int] | None = None
+    ) -> None:
         """Shadow ``module.training_step`` for this fit; ``window`` says when a loader batch opens a window.
 
+        ``parts()`` says, for each loader batch, into how many parts at least to split it (the noise scale measures
+        a window of one loader batch in two halves); with no ``size`` a batch is split only so.
         With ``"auto"``, a new run (global step 0, no checkpoint) forgets the size an earlier fit found.
         """
         self.release()
         if self.auto and trainer.global_step == 0 and trainer.ckpt_path is None:
             self.size = None
         self._trainer, self._module, self._original = trainer, module, module.training_step
-        self._owner, self._window = owner, window
+        self._owner, self._window, self._parts = owner, window, parts or _whole
         module.training_step = self._training_step
 
     @property
     def installed(self) -> bool:
         """Whether this fit splits (from ``install`` to ``release``)."""
         return self._module is not None
+
+    @property
+    def zeroes(self) -> bool:
+        """Whether the micro-batcher zeroes the gradients of a window it starts.
+
+        It does where it splits: the parts' backwards run inside ``training_step``, before Lightning would zero them.
+        A window of loader batches it hands on whole is zeroed by Lightning, as always.
+        """
+        return self.installed and (self.size is not None or self.auto or self._parts() > 1)
 
     def report(self) -> tuple[torch.Tensor | None, Any] | None:
         """The loader batch's mean loss and its items, after its ``training_step``; ``None`` when not splitting."""
@@ -121,6 +141,7 @@ class MicroBatcher:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # one fit's, one process's:
         state.update(_module=None, _original=None, _trainer=None, _owner=None, _window=None, _report=(None, None))
+        state["_parts"] = _whole
         return state
 
     def release(self) -> None:
@@ -128,6 +149,7 @@ class MicroBatcher:
         if self._module is not None and "training_step" in vars(self._module):
             del self._module.training_step
         self._module = self._original = self._trainer = self._owner = self._window = None
+        self._parts = _whole
         self.anchored = False
 
     # ------------------------------------------------------------------ one loader batch
@@ -135,11 +157,10 @@ class MicroBatcher:
     def _training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         self.anchored = False  # set again when this batch hands Lightning an anchor
         assert self._window is not None
-        if self._window.is_first:  # Lightning would zero them after training_step, where the micro-batches run
-            for optimizer in self._trainer.optimizers:
-                optimizer.zero_grad(set_to_none=True)
+        if self._window.is_first and self.zeroes:  # Lightning would zero them after training_step, too late
+            self._zero_grad()
         rows = batch_rows(batch)
-        if self.size is None:  # "auto" starts at the loader batch's size
+        if self.size is None and self.auto:  # "auto" starts at the loader batch's size
             self.size = smallest(self._trainer, rows or 1)
         if not self.auto:
             return self._split(batch, rows, args, kwargs, anchor=False)
@@ -156,6 +177,19 @@ class MicroBatcher:
             if not any_rank(self._trainer, failed):
                 return result
             self._retry_smaller()
+
+    def _zero_grad(self) -> None:
+        """Zero the gradients through the hooks Lightning calls for it.
+
+        Every callback's and the module's ``on_before_zero_grad``, then the module's ``optimizer_zero_grad``.
+        """
+        trainer, module = self._trainer, self._module
+        epoch, index = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx
+        for optimizer in trainer.optimizers:
+            for callback in trainer.callbacks:
+                callback.on_before_zero_grad(trainer, module, optimizer)
+            module.on_before_zero_grad(optimizer)
+            module.optimizer_zero_grad(epoch, index, optimizer)
 
     def _retry_smaller(self) -> None:
         assert self.size is not None
@@ -180,9 +214,11 @@ class MicroBatcher:
             torch.cuda.empty_cache()
 
     def _split(self, batch: Any, rows: int | None, args: Any, kwargs: Any, anchor: bool) -> Any:
-        assert self.size is not None
         assert self._owner is not None
-        parts = split_batch(batch, self.size) if rows is not None and rows > self.size else [batch]
+        size = self.size or rows or 1
+        if rows is not None and self._parts() > 1:
+            size = min(size, math.ceil(rows / self._parts()))
+        parts = split_batch(batch, size) if rows is not None and rows > size else [batch]
         report_loss: torch.Tensor | None = None
         report_items: Any = None
         output: Any = None
@@ -226,6 +262,11 @@ class MicroBatcher:
                 yield
         else:
             yield
+
+
+def _whole() -> int:
+    """No split asked for: a loader batch is split only by the micro-batch size."""
+    return 1
 
 
 def _mean(loss: torch.Tensor | None, items: Any) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import LearningRateFinder
 from torch.utils.data import DataLoader
 
 from lightning_accum.events import Context
-from lightning_accum.schedule import Schedule, ScheduleSpec, count_optimizer_steps
+from lightning_accum.schedule import Schedule, ScheduleSpec, plan_run
 
 
 def loader_batch_size(trainer: pl.Trainer) -> int | None:
@@ -25,16 +25,21 @@ def loader_batch_size(trainer: pl.Trainer) -> int | None:
 
 def count_steps(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int | None) -> int | float:
     """The optimizer steps of the run under ``spec``, from ``micro_batch_size`` (or the loader's, when ``None``)."""
+    return plan(trainer, spec, micro_batch_size)[0]
+
+
+def plan(trainer: pl.Trainer, spec: ScheduleSpec, micro_batch_size: int | None) -> tuple[float, float]:
+    """``(optimizer steps, samples of all ranks)`` of the run under ``spec`` (``inf`` where it has no end)."""
     if trainer.max_epochs == -1 and trainer.max_steps == -1:
-        return float("inf")
+        return float("inf"), float("inf")
     if trainer.train_dataloader is None:
         trainer.fit_loop.setup_data()
     batches = trainer.num_training_batches
     if batches == float("inf"):
-        return float("inf") if trainer.max_steps == -1 else trainer.max_steps
+        return (float("inf") if trainer.max_steps == -1 else trainer.max_steps), float("inf")
     if micro_batch_size is None:
         micro_batch_size = spec.micro_batch_size if spec.micro_batch_size is not None else loader_batch_size(trainer)
-    return count_optimizer_steps(
+    return plan_run(
         spec.build(micro_batch_size, trainer.world_size),
         batches_per_epoch=int(batches),
         max_epochs=trainer.max_epochs if trainer.max_epochs is not None else -1,

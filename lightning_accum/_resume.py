@@ -8,10 +8,13 @@ do not change inside a window, so only the loop's batch counters, the train data
 and writes them into such a checkpoint; the resumed run then trains the whole window again from the same weights
 and the same batches, and ends where the uninterrupted run ends.
 
-It also counts what a checkpoint written without the callback's state has done (:func:`count_from_the_loop`).
+It also counts what a checkpoint written without the callback's state has done (:func:`count_from_the_loop`), and
+gives the train dataloaders the states a checkpoint holds where Lightning set them up too early
+(:func:`restore_loader_states`).
 
-Lightning glue: it reads ``trainer.fit_loop`` (public attributes) and writes the ``"loops"`` entry of Lightning's
-checkpoint dict, whose layout ``tests/test_lightning_contract.py`` pins.
+Lightning glue: it reads ``trainer.fit_loop`` (public attributes, and for :func:`restore_loader_states` the private
+ones that hold the pending loader states) and writes the ``"loops"`` entry of Lightning's checkpoint dict; the layout
+and the private names are pinned by ``tests/test_lightning_contract.py``.
 """
 
 from __future__ import annotations
@@ -122,6 +125,25 @@ class ResumePoint:
             # that epoch's end (torchdata's StatefulDataLoader then yields nothing); without a state, each loader
             # starts the epoch afresh, as the window does
             loop_state.pop("combined_loader", None)
+
+
+def restore_loader_states(trainer: pl.Trainer) -> None:
+    """Give the train dataloaders the states the checkpoint holds, where Lightning set them up before the restore.
+
+    ``estimated_stepping_batches`` (Lightning's, and :func:`lightning_accum.estimated_stepping_batches`) sets the train
+    dataloaders up when ``configure_optimizers`` sizes a schedule with it, before the checkpoint is restored; the fit
+    loop then keeps them as they are and never loads the states it restored (Lightning issue #20550): a run resumed in
+    the middle of an epoch would train on the epoch's first batches again. This loads them and makes the fetcher's
+    iterator anew, as Lightning does when it sets the loaders up after the restore. Private names of Lightning's fit
+    loop (``tests/test_lightning_contract.py`` pins them); nothing happens when no state is pending.
+    """
+    loop = trainer.fit_loop
+    if loop._should_reload_train_dl:  # Lightning sets the loaders up anew before the epoch, and loads the states then
+        return
+    if loop.restarting and loop._combined_loader_states_to_load and loop._combined_loader is not None:
+        loop._load_combined_loader_states()
+        if loop._data_fetcher is not None:
+            iter(loop._data_fetcher)
 
 
 def count_from_the_loop(trainer: pl.Trainer, samples_per_micro_step: int) -> tuple[int, int]:

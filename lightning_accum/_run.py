@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from lightning_accum.events import Context, DataParallel, Run
+from lightning_accum.events import Context, DataParallel, Run, takes_dataloader_iter
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_modules
@@ -60,6 +60,10 @@ class TrainerRun(Run):
     @property
     def loggers(self) -> list[Any]:  # noqa: D102
         return list(self._trainer.loggers)
+
+    @property
+    def lr_schedulers(self) -> list[tuple[Any, str, int]]:  # noqa: D102
+        return [(c.scheduler, c.interval, c.frequency) for c in self._trainer.lr_scheduler_configs]
 
     @property
     def has_progress_bar(self) -> bool:  # noqa: D102
@@ -131,7 +135,7 @@ class TrainerRun(Run):
 def bind(ctx: Context, trainer: pl.Trainer, module: pl.LightningModule) -> TrainerRun:
     """Bind ``ctx`` to the fit of ``trainer``: ranks and collectives from its strategy, the run's view."""
     run = TrainerRun(trainer)
-    ctx.module, ctx.run = module, run
+    ctx.module, ctx.run, ctx.can_split = module, run, not takes_dataloader_iter(module)
     ctx.world_size, ctx.is_global_zero = trainer.world_size, trainer.is_global_zero
     ctx.reduce = lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op)
     ctx.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)

@@ -19,11 +19,15 @@ if TYPE_CHECKING:
     NonNegativeInt = int
     PositiveFloat = float
     Decay = float
+    Confidence = float
     Scheduling = dict[int, int]
 else:
     from jsonargparse.typing import NonNegativeInt, PositiveFloat, PositiveInt, register_type, restricted_number_type
 
     Decay = restricted_number_type("Decay", float, [(">=", 0), ("<", 1)], join="and", docstring="a number in [0, 1)")
+    Confidence = restricted_number_type(
+        "Confidence", float, [(">=", 0.5), ("<", 1)], join="and", docstring="a number in [0.5, 1)"
+    )
 
     class Scheduling(dict):
         """``{position: factor}``: positions are integers >= 0, factors integers >= 1, at least one pair."""
@@ -70,4 +74,4 @@ def parse_scheduling(value: Any) -> dict[int, int]:
     return checked
 
 
-__all__ = ["Decay", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Scheduling", "parse_scheduling"]
+__all__ = ["Confidence", "Decay", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Scheduling", "parse_scheduling"]

@@ -22,11 +22,11 @@ from typing_extensions import override
 from lightning_accum._checks import check_arguments, check_splitting, check_trainer, warn_at_fit_start
 from lightning_accum._loop import LoopControl, ends_epoch
 from lightning_accum._microbatch import AUTO, MicroBatcher
-from lightning_accum._position import count_steps, factor_before_training, loader_batch_size, scheduled_factor
+from lightning_accum._position import count_steps, factor_before_training, loader_batch_size, plan, scheduled_factor
 from lightning_accum._ranks import agree_on_batches
-from lightning_accum._resume import ResumePoint, count_from_the_loop
+from lightning_accum._resume import ResumePoint, count_from_the_loop, restore_loader_states
 from lightning_accum._run import bind
-from lightning_accum._types import Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
+from lightning_accum._types import Confidence, Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.features import (
     AdaptiveGrowth,
@@ -35,6 +35,7 @@ from lightning_accum.features import (
     Metrics,
     NoiseScale,
     ProgressBar,
+    SampleDrivenSchedules,
     TokenCount,
     WideAccumulation,
 )
@@ -54,47 +55,41 @@ class AccumulationScheduler(Callback):
     position (``docs/schedules.md``). Everything else is a feature of its own (:mod:`lightning_accum.features`).
 
     Args:
-        scheduling: ``{position: factor}``; positions before the first key use factor 1. ``None`` with no
-            ``target_batch_size`` means factor 1 throughout.
+        scheduling: ``{position: factor}``; factor 1 before the first key (throughout with no key and no target).
         unit: What the keys count: ``"epoch"``, ``"step"`` (optimizer steps), ``"sample"`` or ``"token"``
             (samples, or loss-bearing tokens as ``normalize_by="token"`` counts them, consumed by all ranks together).
         target_batch_size: The global effective batch in samples: factor = target / (micro-batch x world size).
-        ramp_start_batch_size: With the next two: ramp the global batch linearly from this size to
-            ``target_batch_size``, as Megatron's ``--rampup-batch-size``.
+        ramp_start_batch_size: With the next two: ramp the global batch linearly from this size to the target.
         ramp_increment: How much the global batch grows at each stage of the ramp.
         ramp_samples: Samples (tokens with ``unit="token"``) of all ranks over which the ramp reaches the target.
         micro_batch_size: Below the loader's ``batch_size``: split each loader batch into micro-batches of this many
             rows (the factor still counts loader batches); ``"auto"``: halve from the loader's on out-of-memory errors
             (``docs/microbatching.md``). Otherwise the samples a rank's micro-batch counts (default: the loader's).
-        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR used is the configured one times
-            ``effective / base`` or its square root, inside ``optimizer.step()`` only.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR times ``effective / base`` or its root, in steps.
         base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
         lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
-        normalize_by: What a micro-batch weighs: ``"micro_batch"`` (the same), ``"sample"`` or ``"token"`` (its
-            items, over the window and all ranks).
+        lr_scale_max: The largest LR scale, warned of when first passed; ``None``: no cap, and a warning past 4.
+        normalize_by: A micro-batch weighs the same (``"micro_batch"``) or its items (``"sample"``, ``"token"``).
         token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
         count_items: ``batch -> int or tensor``, counting a micro-batch's items instead.
         noise_scale: Estimate the gradient noise scale (the critical batch) and log ``accum/noise_scale``.
         noise_scale_decay: Decay per optimizer step of the moving averages that smooth the estimate, in ``[0, 1)``.
-        noise_scale_interval: Measure the noise scale on every ``noise_scale_interval``-th window and on each window
-            whose step is logged; ``1`` measures every window. The other windows cost nothing.
-        adaptive: Double the factor when the noise scale calls for a larger batch (needs ``noise_scale``).
+        noise_scale_interval: Measure every N-th window and each logged one (``1``: all); the others cost nothing.
+        adaptive: Set the factor from the noise scale once the evidence calls for it (needs ``noise_scale``).
         adaptive_target: The wanted effective batch as a multiple of the noise scale.
         adaptive_max_factor: The largest factor adaptive growth may reach.
-        adaptive_interval: Optimizer steps between two adaptive checks.
-        adaptive_patience: Consecutive checks that must call for growth before the factor doubles.
+        adaptive_confidence: The one-sided confidence of the noise scale's bound a change acts on, in ``[0.5, 1)``.
+        adaptive_shrink: Let the factor come down again when the noise scale's upper bound falls below the batch.
         grad_accum_dtype: The dtype micro-batch gradients are summed in where the parameters are narrower
             (``"float32"``, ``"float64"``, a ``torch.dtype``); ``"auto"``: float32 where the strategy supports it, with
             a warning elsewhere; ``None``: the parameters' dtype (``docs/precision.md``).
-        log_metrics: Log the ``accum/...`` metrics every ``log_every_n_steps`` optimizer steps through every logger,
-            with a TensorBoard dashboard, and show the factor in the progress bar.
+        log_metrics: Log the ``accum/...`` metrics every ``log_every_n_steps`` steps; show the factor by the bar.
 
     Raises:
         TypeError: If an argument has the wrong type.
-        ValueError: If an argument has a wrong value, or (before the first batch) conflicts with the Trainer:
-            ``accumulate_grad_batches != 1``, a strategy that accumulates by itself, manual optimization, a target
-            batch that does not divide.
+        ValueError: If an argument has a wrong value, or (before the first batch) conflicts with the Trainer
+            (``accumulate_grad_batches != 1``, manual optimization, a target batch that does not divide, ...).
 
     Example::
 
@@ -117,6 +112,7 @@ class AccumulationScheduler(Callback):
         lr_scaling: Literal["none", "linear", "sqrt"] = "none",
         base_batch_size: PositiveInt | None = None,
         lr_warmup_steps: NonNegativeInt = 0,
+        lr_scale_max: PositiveFloat | None = None,
         normalize_by: Literal["micro_batch", "sample", "token"] = "micro_batch",
         token_key: str | int = "labels",
         ignore_index: int = -100,
@@ -127,22 +123,23 @@ class AccumulationScheduler(Callback):
         adaptive: bool = False,
         adaptive_target: PositiveFloat = 1.0,
         adaptive_max_factor: PositiveInt = 64,
-        adaptive_interval: PositiveInt = 50,
-        adaptive_patience: PositiveInt = 2,
+        adaptive_confidence: Confidence = 0.9,
+        adaptive_shrink: bool = False,
         log_metrics: bool = True,
         grad_accum_dtype: str | None = "auto",
     ) -> None:
         super().__init__()
-        check_arguments(adaptive, noise_scale, micro_batch_size)
+        check_arguments(adaptive, noise_scale, micro_batch_size, noise_scale_decay, noise_scale_interval)
         # The one place features are registered, each with its switch (arguments checked, on or off), in the order
         # events reach them: each publishes what the ones after it read; metrics logs what all of them added.
         registry: list[tuple[Feature, bool]] = [
             (TokenCount(token_key, ignore_index, count_items if normalize_by == "token" else None), unit == "token"),
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
             (WideAccumulation(*_accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
-            (NoiseScale(noise_scale_decay, noise_scale_interval), check_bool("noise_scale", noise_scale)),
-            (AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_interval, adaptive_patience), adaptive),
-            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps), True),
+            (NoiseScale(noise_scale_decay, noise_scale_interval, adaptive), check_bool("noise_scale", noise_scale)),
+            (AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink), adaptive),
+            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
+            (SampleDrivenSchedules(), True),
             (ProgressBar(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
         ]
@@ -193,7 +190,7 @@ class AccumulationScheduler(Callback):
         self._resume = ResumePoint()
         # with micro-batching the micro-batcher zeroes a window's gradients before its first loader batch's parts
         self._loop = LoopControl(
-            trainer, lambda: ctx.window.is_first and not self._batcher.installed, lambda: ctx.window.closed
+            trainer, lambda: ctx.window.is_first and not self._batcher.zeroes, lambda: ctx.window.closed
         )
         # a tuner runs the loop before the windows take charge: as stock Lightning with the first window's factor
         self._loop.set_factor(factor_before_training(trainer, self._spec, ctx.samples_seen))
@@ -210,21 +207,25 @@ class AccumulationScheduler(Callback):
         ctx.micro_batch_size = agree_on_batches(trainer, given or loader_batch_size(trainer), given)
         if split:
             check_splitting(trainer, batcher.auto, weighs_items="item_weighting" in self._features)
-            batcher.install(trainer, pl_module, owner=self, window=ctx.window)
+            batcher.install(trainer, pl_module, owner=self, window=ctx.window, parts=lambda: ctx.noise_parts)
         ctx.splitting = split
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
+        ctx.planned_steps, ctx.planned_samples = plan(trainer, self._spec, ctx.micro_batch_size)
+        restore_loader_states(trainer)  # the states a checkpoint holds, if sizing a schedule set up the loader early
         if trainer.ckpt_path is not None and not self._resume.restored and trainer.global_step > 0:
             ctx.micro_steps, ctx.samples_seen = count_from_the_loop(trainer, ctx.samples_per_micro_step)
         ctx.optimizers, ctx.optimizer_steps = [updating_optimizer(o) for o in trainer.optimizers], trainer.global_step
         ctx.schedule, ctx.factor = self._schedule, scheduled_factor(trainer, self._schedule, ctx)
         ctx.summary = [split_summary(batcher.size)] if split else []  # the features add their phrases
         self._features.dispatch(Event.FIT_START, ctx)
+        if ctx.noise_parts > 1 and not split:  # the noise scale measures a window of one loader batch in halves
+            batcher.install(trainer, pl_module, owner=self, window=ctx.window, parts=lambda: ctx.noise_parts)
         self._features.settle()  # the features this fit gives nothing to do leave the window events
         assert self._loop is not None, "setup creates it"
         self._loop.take_charge()  # before the loop resets: a restart asks where the last window ended
         self._resume.between_windows(trainer, self._current_state())
         grows = self._features.handle(Event.WINDOW_OPENING)
-        warn_at_fit_start(trainer, self._spec, self._schedule, ctx.micro_batch_size, grows, split)
+        warn_at_fit_start(trainer, self._spec, self._schedule, ctx.micro_batch_size, grows, batcher.installed)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -310,7 +311,7 @@ class AccumulationScheduler(Callback):
             ctx.loss = _window_share(outputs, ctx)
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         if ctx.window.closed:
-            ctx.metrics = {"accum/micro_batch_size": float(self._batcher.size or 0)} if report is not None else {}
+            ctx.metrics = {"accum/micro_batch_size": float(self._batcher.size or 0)} if ctx.splitting else {}
             self._features.dispatch(Event.WINDOW_CLOSED, ctx)
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_accum.noise import NoiseReading
 from lightning_accum.schedule import Schedule
 from lightning_accum.window import Window
 
@@ -140,6 +141,11 @@ class Run:
         return []
 
     @property
+    def lr_schedulers(self) -> list[tuple[Any, str, int]]:
+        """``(scheduler, interval, frequency)`` of each LR scheduler ``configure_optimizers`` returned."""
+        return []
+
+    @property
     def has_progress_bar(self) -> bool:
         """Whether the Trainer shows one of Lightning's train progress bars (TQDM or Rich)."""
         return False
@@ -186,19 +192,25 @@ class Context:
             ``FIT_START``), or ``None`` when unknown.
         splitting: Whether each loader batch is split into micro-batches (``micro_batch_size`` below the loader's):
             then a window of one loader batch still runs several backwards. Set at ``FIT_START``.
+        can_split: Whether a loader batch can be split into parts at all (``training_step`` takes the batch, not
+            ``dataloader_iter``). Set at ``SETUP``.
         reduce: ``reduce(tensor, "sum" | "mean")`` over ranks (the strategy's).
         broadcast: ``broadcast(obj)`` from rank zero to every rank (the strategy's).
         module: The LightningModule (any ``nn.Module`` in a test).
         optimizers: The optimizers, from ``FIT_START``.
         run: What the Trainer knows, read-only, and the actions a feature may ask for (:class:`Run`).
         schedule: The run's schedule, from ``FIT_START``.
+        planned_steps: Set at ``FIT_START``: the optimizer steps the fit takes at the factors known up front
+            (``estimated_stepping_batches``; ``inf`` for a run without an end).
+        planned_samples: Set with it: the samples (all ranks) the fit consumes at those factors (``inf`` likewise).
         optimizer_steps: Optimizer steps taken (``trainer.global_step``), current at window events.
         samples_seen: Samples consumed by all ranks together (``micro_batch_size x world_size`` per micro-step).
         tokens_seen: Published by the token count (``unit="token"``): loss-bearing tokens consumed by all ranks.
         micro_steps: Micro-batches trained on by one rank.
         window: The window in progress.
         factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
-        factor_floor: Published at ``WINDOW_OPENING`` by adaptive growth: the smallest factor from now on.
+        factor_floor: Published at ``FIT_START`` and ``WINDOW_OPENING`` by adaptive growth: the adaptive factor in
+            force (at least 1).
         batch: The micro-batch in progress.
         batch_idx: The index in the epoch of the loader batch in progress (the loop's own).
         loss: At ``BEFORE_BACKWARD`` the tensor backward runs on (the micro-batch's loss divided by
@@ -220,10 +232,12 @@ class Context:
         items: Published at ``MICRO_BATCH_STARTED`` by item weighting: the micro-batch's samples or tokens on this
             rank (``None`` when every micro-batch weighs the same).
         window_items: Published at ``WINDOW_CLOSING`` by item weighting: the window's items on all ranks.
-        noise_scale: Published by the noise scale at ``FIT_START`` and at each measured window's
-            ``GRADIENT_READY``: the current estimate, or ``None``.
-        noise_batch: Published with it: ``(items in the window on all ranks, micro-steps in the window)`` of the
-            latest measured window, in the estimate's unit.
+        noise: Published by the noise scale at ``FIT_START`` and at each measured window's ``GRADIENT_READY``: the
+            estimate after the latest measured window, with that window's batch
+            (:class:`~lightning_accum.noise.NoiseReading`), or ``None`` before the first.
+        noise_parts: Published by the noise scale at ``WINDOW_OPENED``: into how many parts each loader batch of the
+            window is split, so that the window holds enough micro-batch gradients to measure (1: not split); at
+            ``FIT_START``, the most it will ask for, which the coordinator reads to install the micro-batcher.
         log_every: Published at ``FIT_START`` by the metrics: the optimizer steps between two logged steps, the same
             on every rank (``0``: nothing is logged).
         metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step.
@@ -235,12 +249,15 @@ class Context:
     is_global_zero: bool = True
     micro_batch_size: int | None = None
     splitting: bool = False
+    can_split: bool = True
     reduce: Callable[[torch.Tensor, str], torch.Tensor] = _local_reduce
     broadcast: Callable[[Any], Any] = _local_broadcast
     module: Any = None
     optimizers: list[Any] = field(default_factory=list)
     run: Run = field(default_factory=Run)
 
+    planned_steps: float = float("inf")
+    planned_samples: float = float("inf")
     optimizer_steps: int = 0
     samples_seen: int = 0
     tokens_seen: int = 0
@@ -262,8 +279,8 @@ class Context:
 
     items: Any = None
     window_items: float | None = None
-    noise_scale: float | None = None
-    noise_batch: tuple[float, int] | None = None
+    noise: NoiseReading | None = None
+    noise_parts: int = 1
     log_every: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)

@@ -21,6 +21,8 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/noise_scale`` | with ``noise_scale=True``: B_simple = tr(Sigma) / abs(G)^2, samples (or tokens) |
 | ``accum/noise_grad_sq``, ``accum/noise_trace`` | its two smoothed estimates: abs(G)^2 and tr(Sigma) |
 | ``accum/noise_scale_to_batch`` | the noise scale over the window's batch, same unit (above 1: a larger batch pays) |
+| ``accum/noise_measurements`` | the effective number of measured windows behind the estimate |
+| ``accum/noise_scale_low``, ``accum/noise_scale_high`` | with ``adaptive=True``: the bounds its decisions act on |
 | ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
   window, all ranks |
 | ``accum/tokens_seen`` | with ``unit="token"``: loss-bearing tokens consumed by all ranks, the schedule's position |
@@ -152,13 +154,17 @@ def tensorboard_layout(logged: Iterable[str] | None = None) -> dict[str, dict[st
             "memory (MiB)": ["Multiline", [r"^accum/memory_(allocated|reserved|peak|rss)_mb$"]],
         },
         "noise scale": {
-            "critical batch (noise scale)": ["Multiline", [r"^accum/noise_scale$"]],
+            "critical batch (noise scale, with adaptive growth's bounds)": [
+                "Multiline",
+                [r"^accum/noise_scale(_low|_high)?$"],
+            ],
             "noise scale / effective batch (above 1: a larger batch pays)": [
                 "Multiline",
                 [r"^accum/noise_scale_to_batch$"],
             ],
             "|G|^2": ["Multiline", [r"^accum/noise_grad_sq$"]],
             "tr(Sigma)": ["Multiline", [r"^accum/noise_trace$"]],
+            "measurements behind the estimate": ["Multiline", [r"^accum/noise_measurements$"]],
         },
     }
     if logged is None:

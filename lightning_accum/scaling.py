@@ -35,6 +35,29 @@ def check_rule(rule: object) -> LRScaling:
     return rule  # type: ignore[return-value]
 
 
+SCALE_WARNING = 4.0
+"""The LR scale past which a run without ``lr_scale_max`` is warned, once: a scaled LR that diverges is the most
+likely way a growing batch fails (the linear rule is exact only for small steps, Goyal et al. 2017)."""
+
+
+def check_max_scale(value: object) -> float | None:
+    """Return ``value`` (``lr_scale_max``) as a float if it is ``None`` or a finite number >= 1.
+
+    Raises:
+        ValueError: Otherwise, naming the argument and the value.
+
+    Example::
+
+        >>> check_max_scale(8)
+        8.0
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1.0 <= value < math.inf:
+        raise ValueError(f"`lr_scale_max` must be a finite number >= 1 or None, got {value!r}")
+    return float(value)
+
+
 def lr_scale(rule: LRScaling, effective_batch_size: float, base_batch_size: float) -> float:
     """The factor by which the configured learning rate is multiplied at ``effective_batch_size``.
 

@@ -143,6 +143,11 @@ class Schedule:
         """The largest factor the schedule ever uses."""
         return max(factor for _, factor in self.points)
 
+    @property
+    def min_factor(self) -> int:
+        """The smallest factor the schedule ever uses."""
+        return min(factor for _, factor in self.points)
+
 
 def nearest_valid_batch_sizes(batch_size: int, multiple: int) -> tuple[int, ...]:
     """The multiples of ``multiple`` just below and above ``batch_size`` (the one below only if it is positive).
@@ -450,6 +455,25 @@ def count_optimizer_steps(
 ) -> int:
     """The number of optimizer steps a finite run takes under ``schedule``, from the start of training.
 
+    See :func:`plan_run`, which also counts the samples.
+
+    Example::
+
+        >>> count_optimizer_steps(Schedule.constant(4), batches_per_epoch=10, max_epochs=3)
+        9
+    """
+    return plan_run(schedule, batches_per_epoch, max_epochs, max_steps, samples_per_micro_step)[0]
+
+
+def plan_run(
+    schedule: Schedule,
+    batches_per_epoch: int,
+    max_epochs: int,
+    max_steps: int = -1,
+    samples_per_micro_step: int = 1,
+) -> tuple[int, int]:
+    """``(optimizer steps, samples)`` of a finite run under ``schedule``, from the start of training.
+
     Windows never span an epoch boundary: the last window of an epoch may be incomplete and still steps. A factor
     change takes effect at the first window that starts at or after its position.
 
@@ -465,17 +489,17 @@ def count_optimizer_steps(
 
     Example::
 
-        >>> count_optimizer_steps(Schedule.constant(4), batches_per_epoch=10, max_epochs=3)
-        9
+        >>> plan_run(Schedule.constant(4), batches_per_epoch=10, max_epochs=3, samples_per_micro_step=8)
+        (9, 240)
     """
     if max_epochs < 0 and max_steps < 0:
         raise ValueError("count_optimizer_steps needs a finite `max_epochs` or `max_steps`")
     if batches_per_epoch <= 0:
-        return 0
+        return 0, 0
     steps = samples = epoch = 0
     while (max_epochs < 0 or epoch < max_epochs) and (max_steps < 0 or steps < max_steps):
         _, epoch_steps, epoch_samples = run_epoch(
             schedule, batches_per_epoch, epoch, 0, steps, samples, max_steps, samples_per_micro_step
         )
         steps, samples, epoch = steps + epoch_steps, samples + epoch_samples, epoch + 1
-    return steps
+    return steps, samples

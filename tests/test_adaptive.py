@@ -1,6 +1,10 @@
-"""Adaptive accumulation: the policy alone, and the factor growing as a model's noise scale grows."""
+"""Adaptive accumulation: the decision rule on scripted estimates, the estimate's bounds, and the factor following a
+model's noise scale in real fits (from factor 1, where a measured window is run as two halves)."""
 
 from __future__ import annotations
+
+import math
+import random
 
 import pytest
 import torch
@@ -8,20 +12,114 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.adaptive import AdaptiveFactor
-from tests.helpers import RegressionModule, make_data, trainer
+from lightning_accum.adaptive import MIN_MEASUREMENTS, AdaptiveFactor
+from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator, t_quantile
+from tests.helpers import RegressionModule, exact_noise_scale, make_data, make_net, trainer
 
 
-def test_the_policy_doubles_after_patience_and_only_up_to_the_bound():
-    policy = AdaptiveFactor(target=1.0, max_factor=8, interval=10, patience=2)
-    assert [policy.due(step) for step in (0, 5, 10, 20)] == [False, False, True, True]
-    assert policy.propose(2, effective_batch=32, noise_scale=100.0) == 2  # one vote
-    assert policy.propose(2, effective_batch=32, noise_scale=50.0) == 2  # 50 < 64: the votes reset
-    assert policy.propose(2, effective_batch=32, noise_scale=100.0) == 2
-    assert policy.propose(2, effective_batch=32, noise_scale=100.0) == 4  # two in a row
-    assert policy.propose(4, effective_batch=64, noise_scale=None) == 4  # no estimate yet
-    assert policy.propose(8, effective_batch=128, noise_scale=1e9) == 8  # 16 > max_factor
-    assert AdaptiveFactor(target=4.0, patience=1).propose(1, effective_batch=8, noise_scale=4.0) == 2  # 16 >= 16
+def estimate(noise_scale: float, spread: float = 0.01, measurements: float = 10.0) -> NoiseScaleEstimate:
+    """An estimate of ``noise_scale`` whose trace average is off by ``spread`` (relative standard error)."""
+    return NoiseScaleEstimate(1.0, noise_scale, noise_scale, measurements, 0.0, (spread * noise_scale) ** 2, 0.0)
+
+
+# ------------------------------------------------------------------ the decision rule on scripted estimates
+
+
+def test_it_grows_to_the_factor_the_estimate_calls_for_not_only_the_double():
+    policy = AdaptiveFactor(target=1.0, max_factor=64, confidence=0.9)
+    # batches of 8 per unit of factor: a noise scale of 100 (+-1%) calls for 12 x 8 = 96
+    assert policy.propose(2, batch_per_factor=8.0, estimate=estimate(100.0)) == 12
+    assert AdaptiveFactor(target=2.0).propose(2, batch_per_factor=8.0, estimate=estimate(100.0)) == 24
+    # the lower bound, not the estimate: a 10% standard error at 90% confidence is 100 - 1.28 x 10 = 87.2 -> 10
+    assert policy.propose(2, batch_per_factor=8.0, estimate=estimate(100.0, spread=0.1)) == 10
+
+
+def test_it_never_goes_beyond_the_maximum_nor_decides_without_evidence():
+    policy = AdaptiveFactor(max_factor=8)
+    assert policy.propose(2, 8.0, estimate(1e9)) == 8
+    assert policy.propose(16, 8.0, estimate(1e9)) == 16  # a schedule above the maximum is left alone
+    assert policy.propose(2, 8.0, None) == 2
+    assert policy.propose(2, 8.0, estimate(1e9, measurements=MIN_MEASUREMENTS - 0.5)) == 2
+    no_scatter = NoiseScaleEstimate(1.0, 1e9, 1e9, 10.0)  # variances unknown (nan): no interval
+    assert policy.propose(2, 8.0, no_scatter) == 2
+
+
+def test_it_holds_while_the_bounds_straddle_the_batch_and_shrinks_only_when_asked():
+    vague = estimate(40.0, spread=0.5)  # 40 with a wide interval around a batch of 5 x 8 = 40
+    grower = AdaptiveFactor(target=1.0)
+    shrinker = AdaptiveFactor(target=1.0, shrink=True)
+    assert grower.propose(5, 8.0, vague) == 5
+    assert shrinker.propose(5, 8.0, vague) == 5
+    small = estimate(20.0, spread=0.05)  # clearly below the batch of 40: upper bound 21.3 -> ceil(21.3 / 8) = 3
+    assert grower.propose(5, 8.0, small) == 5
+    assert shrinker.propose(5, 8.0, small) == 3
+    assert shrinker.propose(5, 8.0, small, floor=4) == 4  # never below the schedule's factor
+    assert shrinker.propose(5, 8.0, estimate(1.0)) == 1
+
+
+def test_noise_alone_rarely_moves_the_factor():
+    """Measurements drawn around a noise scale that calls for the factor in force (5 x 8 = 40, with 44 needed for 6):
+    fed through the estimator, the bounds straddle the batch and the factor stays (with ``shrink`` in both ways)."""
+    rng = random.Random(0)
+    estimator = NoiseScaleEstimator(decay=0.95)
+    policy = AdaptiveFactor(target=1.0, max_factor=64, confidence=0.9, shrink=True)
+    factor, changes = 5, 0
+    for _ in range(2000):
+        grad_sq = 1.0 + rng.gauss(0.0, 0.4)  # per-window measurements: |G|^2 noisy, the trace less so
+        trace = 42.0 * (1.0 + rng.gauss(0.0, 0.2))
+        small_sq = grad_sq + trace / 8 * 2  # two micro-batches of 4 make a window of 8: invert the estimator's sums
+        big_sq = grad_sq + trace / 8
+        update = estimator.update(small_sq, big_sq, inverse_small_batch=1 / 4, big_batch=8, steps=1)
+        assert update is not None
+        proposed = policy.propose(factor, 8.0, update, floor=1)
+        changes += proposed != factor
+        factor = proposed
+    assert 4 <= factor <= 6
+    assert changes <= 10  # of 2000 decisions
+
+
+def test_the_bounds_hold_the_true_noise_scale_as_often_as_they_claim():
+    """Each run folds 60 measurements of a known noise scale into the estimator; the one-sided 90% bounds each hold
+    it in about 90% of 400 runs (the measurements' scatter is estimated, not known, so a little less)."""
+    rng = random.Random(1)
+    true_scale, held_low, held_high, runs = 30.0, 0, 0, 400
+    for _ in range(runs):
+        estimator = NoiseScaleEstimator(decay=0.95)
+        for _ in range(60):
+            grad_sq = 1.0 + rng.gauss(0.0, 0.5)
+            trace = true_scale * (1.0 + rng.gauss(0.0, 0.3))
+            estimate_ = estimator.update(grad_sq + trace / 4, grad_sq + trace / 16, 1 / 4, 16)
+        assert estimate_ is not None
+        interval = estimate_.interval(0.9)
+        assert interval is not None
+        held_low += interval[0] <= true_scale
+        held_high += true_scale <= interval[1]
+    assert 0.8 <= held_low / runs <= 0.97
+    assert 0.8 <= held_high / runs <= 0.97
+
+
+def test_the_interval_is_unbounded_above_while_the_gradient_may_be_zero():
+    # |G|^2 = 0.1 +- 0.1: the noise scale may be arbitrarily large, but it is at least about 10 / (0.1 + 0.13)
+    shaky = NoiseScaleEstimate(0.1, 10.0, 100.0, 10.0, grad_sq_var=0.01, trace_var=0.25, covariance=0.0)
+    low, high = shaky.interval(0.9)  # type: ignore[misc]
+    assert high == math.inf
+    assert 35.0 < low < 50.0
+    negative = NoiseScaleEstimate(-0.05, 10.0, None, 10.0, grad_sq_var=0.01, trace_var=0.25, covariance=0.0)
+    low, high = negative.interval(0.9)  # type: ignore[misc]
+    assert high == math.inf
+    assert low > 60.0  # |G|^2 may be at most about 0.08: the noise scale is large
+    assert NoiseScaleEstimate(1.0, 10.0, 10.0, 1.0).interval(0.9) is None  # one measurement: no scatter
+    # the trace may be 0 too (0.5 +- 1): nothing bounds the noise scale from below
+    assert NoiseScaleEstimate(0.1, 0.5, 5.0, 10.0, 1.0, 1.0, 0.99).interval(0.9) == (0.0, math.inf)
+
+
+@pytest.mark.parametrize(
+    ("probability", "dof", "quantile"),
+    # Student's t quantiles as printed in tables (e.g. NIST/SEMATECH e-Handbook, table 1.3.6.7.2)
+    [(0.90, 2, 1.886), (0.95, 2, 2.920), (0.99, 2, 6.965), (0.90, 3, 1.638), (0.95, 5, 2.015), (0.99, 10, 2.764)],
+)
+def test_the_t_quantile_the_bounds_use_matches_the_tables(probability, dof, quantile):
+    assert t_quantile(probability, dof) == pytest.approx(quantile, abs=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +130,15 @@ def test_the_policy_doubles_after_patience_and_only_up_to_the_bound():
         ({"adaptive_target": 0}, ValueError, "`adaptive_target` must be a positive finite number, got 0"),
         ({"adaptive_target": float("inf")}, ValueError, "`adaptive_target` must be a positive finite number, got inf"),
         ({"adaptive_max_factor": 0}, ValueError, "`adaptive_max_factor` must be an integer >= 1, got 0"),
-        ({"adaptive_interval": 2.5}, TypeError, "`adaptive_interval` must be an integer"),
+        ({"adaptive_confidence": 0.3}, ValueError, r"`adaptive_confidence` must be a number in \[0.5, 1\), got 0.3"),
+        ({"adaptive_confidence": 1.0}, ValueError, r"`adaptive_confidence` must be a number in \[0.5, 1\), got 1.0"),
+        ({"adaptive_shrink": "no"}, TypeError, "`adaptive_shrink` must be a bool, got 'no'"),
+        ({"lr_scale_max": 0.5}, ValueError, "`lr_scale_max` must be a finite number >= 1 or None, got 0.5"),
+        (  # averages that could never hold the 3 measurements a decision needs
+            {"adaptive": True, "noise_scale": True, "noise_scale_decay": 0.9},
+            ValueError,
+            r"noise_scale_decay=0.9 with noise_scale_interval=10 keeps at most 2.07: lower noise_scale_interval to 5",
+        ),
     ],
 )
 def test_bad_adaptive_arguments_name_themselves(kwargs, error, match):
@@ -40,34 +146,91 @@ def test_bad_adaptive_arguments_name_themselves(kwargs, error, match):
         AccumulationScheduler({0: 2}, **kwargs)
 
 
-def test_the_factor_grows_in_powers_of_two_as_the_noise_scale_grows(tmp_path):
+# ------------------------------------------------------------------ real fits
+
+
+def _metrics(path) -> dict[str, list[float]]:
+    rows = path.read_text().splitlines()
+    header = rows[0].split(",")
+    columns: dict[str, list[float]] = {name: [] for name in header}
+    for row in rows[1:]:
+        for name, value in zip(header, row.split(","), strict=True):
+            columns[name].append(float(value) if value else math.nan)
+    return columns
+
+
+def test_from_factor_1_the_factor_grows_as_the_noise_scale_grows(tmp_path):
     # a regression with label noise: as the model converges |G| shrinks while the gradient noise stays, so the
-    # noise scale grows over training
-    x, y = make_data(512, seed=5)
-    callback = AccumulationScheduler(
-        {0: 2},
-        noise_scale=True,
-        noise_scale_decay=0.9,
-        adaptive=True,
-        adaptive_interval=5,
-        adaptive_max_factor=32,
-        lr_scaling="sqrt",
-    )
+    # noise scale grows; at factor 1 on one process each measured window is run as two halves
+    x, y = make_data(2048, seed=5)
+    callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True, lr_scaling="sqrt")
     loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
     logger = CSVLogger(tmp_path, name="run", version=0)
-    trainer([callback], max_epochs=6, logger=logger, log_every_n_steps=1).fit(RegressionModule(lr=0.05), loader)
-    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
-    header = rows[0].split(",")
-    factors = [float(row.split(",")[header.index("accum/factor")]) for row in rows[1:]]
-    scales = [float(row.split(",")[header.index("accum/lr_scale")]) for row in rows[1:]]
-    noise = [float(row.split(",")[header.index("accum/noise_scale")] or "nan") for row in rows[1:]]
-    assert factors[0] == 2.0
-    assert max(factors) >= 4.0  # it grew
-    assert all(b >= a for a, b in zip(factors, factors[1:], strict=False))  # it only grows
-    assert set(factors) <= {2.0, 4.0, 8.0, 16.0, 32.0}
-    assert scales[-1] == pytest.approx((factors[-1] / 2.0) ** 0.5)  # the LR follows by the sqrt rule
-    first_growth = factors.index(4.0)
-    assert noise[first_growth - 1] >= 2 * 8  # it grew because the noise scale reached twice the batch of 8
+    trainer([callback], max_epochs=2, logger=logger, log_every_n_steps=1).fit(RegressionModule(lr=0.05), loader)
+    metrics = _metrics(tmp_path / "run" / "version_0" / "metrics.csv")
+    factors = [f for f in metrics["accum/factor"] if not math.isnan(f)]
+    lows = metrics["accum/noise_scale_low"]
+    assert factors[0] == 1.0
+    assert factors[-1] >= 8.0  # it grew, from the first windows
+    assert all(b >= a for a, b in zip(factors, factors[1:], strict=False))  # only up
+    assert set(factors) - {1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0}  # the factors called for, not only doublings
+    first = factors.index(next(f for f in factors if f > 1))
+    assert lows[first - 1] >= 4 * factors[first]  # it grew because the lower bound reached the new batch
+    scales = [s for s in metrics["accum/lr_scale"] if not math.isnan(s)]
+    assert scales[-1] == pytest.approx(factors[-1] ** 0.5)  # the LR follows by the sqrt rule
+
+
+def test_windows_measured_in_halves_step_as_plain_pytorch_steps_on_the_whole_batch():
+    """Factor 1 on one process, every window measured: each loader batch runs as two halves (training_step twice),
+    and the weights follow a plain loop of SGD steps on each whole batch's mean loss (float32, 1e-6)."""
+    x, y = make_data(96, seed=4)
+    calls = []
+
+    class Counted(RegressionModule):
+        def training_step(self, batch, batch_idx):
+            calls.append(len(batch[0]))
+            return super().training_step(batch, batch_idx)
+
+    module = Counted()
+    callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True, adaptive_max_factor=1)
+    trainer([callback], max_epochs=1).fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+    assert calls == [4, 4] * 12  # every loader batch of 8 in two halves
+    assert callback.features["noise_scale"].estimate.measurements > 3  # type: ignore[attr-defined]
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=module.lr)
+    for start in range(0, 96, 8):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(net(x[start : start + 8]), y[start : start + 8]).backward()
+        optimizer.step()
+    for ours, plain in zip(module.net.parameters(), net.parameters(), strict=True):
+        assert (ours - plain).abs().max().item() <= 1e-6
+
+
+def test_on_a_frozen_model_the_factor_settles_below_the_noise_scale():
+    """Learning rate 0: every window samples the same gradient distribution, whose exact B_simple is known. From
+    factor 1 (micro-batches of 4) the factor grows to at most the noise scale over the micro-batch and stays there."""
+    x, y = make_data(2048, seed=3)
+    exact = exact_noise_scale(make_net(), x, y)
+    callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True, adaptive_shrink=True)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    trainer([callback], max_epochs=3).fit(RegressionModule(lr=0.0), loader)
+    factor = callback.features["adaptive"].factor  # type: ignore[attr-defined]
+    assert 1 <= factor <= math.ceil(exact * 1.25 / 4)
+    assert callback.features["noise_scale"].estimate.noise_scale == pytest.approx(exact, rel=0.3)  # type: ignore[attr-defined]
+
+
+def test_adaptive_compares_the_noise_scale_with_the_batch_in_the_same_unit():
+    # micro-batches of 8 from an iterable without a batch_size: the micro-batch size is unknown to Lightning, but the
+    # noise scale (about 10.7 samples on this frozen model) must be compared with 16 samples, not 2 micro-batches
+    from tests.helpers import BatchStream
+
+    x, y = make_data(2048, seed=3)
+    callback = AccumulationScheduler(
+        {0: 2}, normalize_by="sample", noise_scale=True, noise_scale_interval=1, adaptive=True
+    )
+    trainer([callback], max_epochs=2).fit(RegressionModule(lr=0.0), DataLoader(BatchStream(x, y, 8), batch_size=None))
+    assert callback.features["adaptive"].factor == 0  # never grew: 10.7 < 24, the batch of factor 3
+    assert 5 < callback.features["noise_scale"].estimate.noise_scale < 20
 
 
 def test_the_adaptive_factor_survives_a_checkpoint():
@@ -78,21 +241,13 @@ def test_the_adaptive_factor_survives_a_checkpoint():
     assert restored.features["adaptive"].factor == 8
 
 
-def test_adaptive_compares_the_noise_scale_with_the_batch_in_the_same_unit():
-    # micro-batches of 8 from an iterable without a batch_size: the micro-batch size is unknown to Lightning, but the
-    # noise scale (about 10.7 samples on this frozen model) must be compared with 16 samples, not 2 micro-batches
-    from tests.helpers import BatchStream
-
-    x, y = make_data(2048, seed=3)
-    callback = AccumulationScheduler(
-        {0: 2},
-        normalize_by="sample",
-        noise_scale=True,
-        noise_scale_interval=1,
-        adaptive=True,
-        adaptive_interval=5,
-        adaptive_patience=3,
-    )
-    trainer([callback], max_epochs=2).fit(RegressionModule(lr=0.0), DataLoader(BatchStream(x, y, 8), batch_size=None))
-    assert callback.features["adaptive"].factor == 0  # never grew: 10.7 < 2 x 16
-    assert 5 < callback.features["noise_scale"].estimate.noise_scale < 20
+def test_a_scale_past_the_bound_is_warned_once_and_capped_when_asked():
+    x, y = make_data(256, seed=2)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    warned = AccumulationScheduler({0: 1, 2: 8}, unit="step", lr_scaling="linear")
+    with pytest.warns(UserWarning, match=r"scales the learning rate by 8 .* past 4: set lr_scale_max to cap it"):
+        trainer([warned], max_steps=6).fit(RegressionModule(), loader)
+    capped = AccumulationScheduler({0: 1, 2: 8}, unit="step", lr_scaling="linear", lr_scale_max=2)
+    with pytest.warns(UserWarning, match=r"scales the learning rate by 8 .* past 2: it stays at lr_scale_max=2"):
+        trainer([capped], max_steps=6).fit(RegressionModule(), loader)
+    assert capped.features["lr_scaling"]._scale == 2.0  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from lightning_accum.features import (
     Metrics,
     NoiseScale,
     ProgressBar,
+    SampleDrivenSchedules,
     TokenCount,
     WideAccumulation,
 )
@@ -43,6 +44,7 @@ PURE = [
     "plan",
     "precision",
     "split",
+    "sample_driven_lr",
 ]
 
 
@@ -102,7 +104,7 @@ def test_the_core_reads_on_one_screen():
 
 def test_no_feature_module_imports_another():
     features = {name for name in MODULES if name.startswith("lightning_accum.features.")}
-    assert len(features) == 8
+    assert len(features) == 9
     for name in features:
         assert not (imports(MODULES[name]) & (features - {name})), name
 
@@ -149,12 +151,14 @@ def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_na
         "adaptive",
         "wide_accumulation",
         "lr_scaling",
+        "sample_driven_lr",
         "progress_bar",
         "metrics",
     }
     assert list(AccumulationScheduler(log_metrics=False).features) == [
         "wide_accumulation",
         "lr_scaling",
+        "sample_driven_lr",
         "progress_bar",
     ]
 
@@ -164,14 +168,14 @@ def test_every_state_is_new_containers_of_plain_values():
     (lightning_accum/_resume.py): nothing in it may be a container a feature goes on changing."""
     from tests.helpers import RegressionModule, loader, make_data, trainer
 
-    every_window = dict(noise_scale=True, noise_scale_interval=1, adaptive=True, adaptive_interval=1)
+    every_window = dict(noise_scale=True, noise_scale_interval=1, adaptive=True)
     callback = AccumulationScheduler({0: 2}, normalize_by="sample", lr_scaling="sqrt", **every_window)
     x, y = make_data(32)
     trainer([callback], max_epochs=2).fit(RegressionModule(), loader(x, y, 4))
     first, second = callback.state_dict(), callback.state_dict()
     assert first == second
     assert first["noise_scale"]["updates"] > 0  # states that moved during the fit
-    assert first["adaptive"]["noise_batch"] is not None
+    assert first["adaptive"]["decided_at"] > 0
 
     def walk(a, b, where):
         if isinstance(a, (dict, list, tuple)):
@@ -193,6 +197,7 @@ def test_the_documented_event_table_is_what_each_feature_handles():
         NoiseScale(),
         AdaptiveGrowth(),
         LRScaling(),
+        SampleDrivenSchedules(),
         ProgressBar(),
         Metrics(),
     ]

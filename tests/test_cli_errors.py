@@ -88,6 +88,10 @@ PLAIN_CASES = [
 # the same checks in this test's process (a process costs seconds of imports): more strategies and command lines
 MORE_CASES = [
     Case("negative adaptive target", {"adaptive_target": -1}, "adaptive_target", "-1"),
+    Case("adaptive confidence of 1", {"adaptive_confidence": 1.0}, "adaptive_confidence", "1.0"),
+    Case("LR scale cap below 1", {"lr_scale_max": 0.5}, "lr_scale_max", "0.5"),
+    # removed in favour of the confidence bound: an old config is refused, naming the key
+    Case("removed adaptive_interval", {"adaptive_interval": 50}, "adaptive_interval", "not accepted"),
     Case("grad_accum_dtype typo", {"grad_accum_dtype": "float16"}, "grad_accum_dtype", "float16"),
     # a combination no single type rejects: the constructor's message, without a traceback
     Case("adaptive without noise scale", {"adaptive": True}, "adaptive", "noise_scale=False"),

@@ -37,10 +37,15 @@ INTENDED = {
     "optimizer steps": {"accum/optimizer_steps"},
     "micro-steps": {"accum/micro_steps"},
     "memory (MiB)": {"accum/memory_rss_mb"},
-    "critical batch (noise scale)": {"accum/noise_scale"},
+    "critical batch (noise scale, with adaptive growth's bounds)": {
+        "accum/noise_scale",
+        "accum/noise_scale_low",
+        "accum/noise_scale_high",
+    },
     "noise scale / effective batch (above 1: a larger batch pays)": {"accum/noise_scale_to_batch"},
     "|G|^2": {"accum/noise_grad_sq"},
     "tr(Sigma)": {"accum/noise_trace"},
+    "measurements behind the estimate": {"accum/noise_measurements"},
 }
 NOT_CHARTED = {"accum/micro_batch_size", "accum/world_size"}  # constants of the run, in the summary instead
 
@@ -61,7 +66,7 @@ def served(tmp_path_factory):
     x, y = make_data(64)
     logger = TensorBoardLogger(logdir, name="run", version=0)
     callback = AccumulationScheduler(
-        {0: 2, 3: 4}, unit="step", lr_scaling="sqrt", normalize_by="sample", noise_scale=True
+        {0: 2, 3: 4}, unit="step", lr_scaling="sqrt", normalize_by="sample", noise_scale=True, adaptive=True
     )
     trainer([callback], max_epochs=2, logger=logger, log_every_n_steps=1).fit(RegressionModule(), loader(x, y, 4))
     command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", "0", "--host", "127.0.0.1"]

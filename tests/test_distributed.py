@@ -228,6 +228,11 @@ def test_adaptive_growth_is_decided_once_for_every_rank(ddp):
     assert rank0["adaptive_factor"] == rank1["adaptive_factor"]
     assert rank0["optimizer_steps"] == rank1["optimizer_steps"]
     assert rank0["allreduce_buckets"] == rank1["allreduce_buckets"]  # the same windows, so the same reductions
+    # rank 1's callback asked for a batch 64 times the noise scale: it still opens rank zero's windows
+    disagree0, disagree1 = _records(ddp, "adaptive_disagree_k2")
+    assert disagree0["adaptive_factor"] == disagree1["adaptive_factor"] == rank0["adaptive_factor"]
+    assert disagree0["optimizer_steps"] == disagree1["optimizer_steps"] == rank0["optimizer_steps"]
+    assert disagree0["weights"] == rank0["weights"]
 
 
 def test_the_noise_scale_refuses_fsdp2_before_training(fsdp2):

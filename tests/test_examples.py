@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_accum import AccumulationScheduler, DDPAccumulationStrategy
+from lightning_accum import AccumulationScheduler, DDPAccumulationStrategy, SampleDrivenLR
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -62,7 +63,12 @@ def _init_args(config: dict) -> dict:
 
 
 def test_every_example_config_sets_the_callback_by_class_path():
-    assert {path.name for path in CONFIGS} >= {"lm_ramp.yaml", "lm_step_schedule.yaml", "lm_ddp.yaml"}
+    assert {path.name for path in CONFIGS} >= {
+        "lm_ramp.yaml",
+        "lm_step_schedule.yaml",
+        "lm_ddp.yaml",
+        "lm_adaptive.yaml",
+    }
     for path in [*CONFIGS, HF_CONFIG]:
         assert _init_args(yaml.safe_load(path.read_text())), path
 
@@ -99,6 +105,19 @@ def test_the_step_schedule_config_changes_the_factor_at_step_50(train_lm, tmp_pa
     assert scales[50] == pytest.approx(1.0)
     assert scales[51] == pytest.approx(1 + 3 / 20)
     assert scales[52] == pytest.approx(1 + 2 * 3 / 20)
+
+
+def test_the_adaptive_config_anneals_its_schedule_where_the_epoch_ends(train_lm, tmp_path):
+    args = ["fit", f"--config={CONFIGS[0].parent / 'lm_adaptive.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
+    cli = train_lm.main([*args, *SMALL, "--data.corpus_bytes=20000", "--trainer.val_check_interval=1.0"])
+    callback = _callback(cli)
+    assert callback.features["adaptive"].policy.target == 0.8  # type: ignore[attr-defined]
+    (config,) = cli.trainer.lr_scheduler_configs
+    assert isinstance(config.scheduler, SampleDrivenLR)
+    epoch_steps = math.ceil(cli.trainer.num_training_batches / 2)  # factor 2 throughout: what it was sized for
+    assert config.scheduler.steps == epoch_steps
+    assert config.scheduler.taken == epoch_steps  # the one-cycle schedule ran to its end with the epoch
+    assert cli.trainer.global_step <= epoch_steps
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_accum.events import Context, Event, Feature, Features, Run
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
+from lightning_accum.noise import NoiseReading, NoiseScaleEstimate
 from lightning_accum.window import Window
 from tests.helpers import make_data, make_net, make_tokens, token_loss
 
@@ -220,8 +221,8 @@ def test_noise_scale_matches_the_unbiased_estimators_computed_directly():
     s_big = (big @ big).item()
     grad_sq = (n * s_big - s_small) / (n - 1)
     trace = b * n * (s_small - s_big) / (n - 1)
-    assert ctx.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
-    assert ctx.noise_batch == (pytest.approx(24.0), 4)
+    assert ctx.noise.estimate.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
+    assert (ctx.noise.items, ctx.noise.micro_steps) == (pytest.approx(24.0), 4)
 
 
 def _noise_scale_reference(net: nn.Module, batches: list[Any]) -> float:
@@ -252,7 +253,7 @@ def test_noise_scale_from_large_and_small_tensors(set_to_none, micro_batches, dt
     drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse, set_to_none=set_to_none)
     expected = _noise_scale_reference(net, batches)
     assert expected > 0
-    assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
+    assert ctx.noise.estimate.noise_scale == pytest.approx(expected, rel=1e-4)
 
 
 def test_noise_scale_counts_a_parameter_without_a_gradient_as_zero():
@@ -282,7 +283,7 @@ def test_noise_scale_counts_a_parameter_without_a_gradient_as_zero():
     s_big = (big @ big).item()
     grad_sq, trace = (n * s_big - s_small) / (n - 1), b * n * (s_small - s_big) / (n - 1)
     assert grad_sq > 0
-    assert ctx.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
+    assert ctx.noise.estimate.noise_scale == pytest.approx(trace / grad_sq, rel=1e-4)
 
 
 class SharedTwice(nn.Module):
@@ -312,7 +313,7 @@ def test_noise_scale_under_create_graph():
     drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse, False, create_graph=True)
     expected = _noise_scale_reference(SharedTwice(checkpointed=False), batches)
     assert expected > 0
-    assert ctx.noise_scale == pytest.approx(expected, rel=1e-4)
+    assert ctx.noise.estimate.noise_scale == pytest.approx(expected, rel=1e-4)
 
 
 def test_noise_scale_skips_a_window_whose_gradients_come_in_parts_under_reentrant_checkpointing():
@@ -324,7 +325,7 @@ def test_noise_scale_skips_a_window_whose_gradients_come_in_parts_under_reentran
     net = SharedTwice(checkpointed=True)
     with pytest.warns(UserWarning, match="use_reentrant=False"):
         drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, net, batches, mse, False)
-    assert ctx.noise_scale is None
+    assert ctx.noise is None or ctx.noise.estimate.noise_scale is None
     plain = SharedTwice(checkpointed=False)
     drive(Features([NoiseScale(decay=0.0, interval=1)]), ctx, plain, batches, mse, False)
     for a, b in zip(net.parameters(), plain.parameters(), strict=True):  # the gradients are autograd's, untouched
@@ -361,7 +362,8 @@ def test_noise_scale_leaves_autograd_the_gradients_it_computes():
         else:  # and added the later ones into it in place
             assert [param.grad.data_ptr() for param in net.parameters()] == first
     features.dispatch(Event.GRADIENT_READY, ctx)
-    assert ctx.noise_scale is not None
+    assert ctx.noise is not None
+    assert ctx.noise.estimate.noise_scale is not None
 
 
 def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publishes():
@@ -370,10 +372,11 @@ def test_noise_scale_reads_the_items_and_the_loss_divisor_item_weighting_publish
     batches = [(x[a:b], y[a:b]) for a, b in sizes]
     weighted, plain = Context(), Context()
     drive(Features([ItemWeighting("sample"), NoiseScale(decay=0.0, interval=1)]), weighted, make_net(), batches, mse)
-    assert weighted.noise_batch == (12.0, 3)  # the window's samples, as item weighting counted them
+    assert weighted.noise is not None
+    assert (weighted.noise.items, weighted.noise.micro_steps) == (12.0, 3)  # the window's samples, as weighed
     drive(Features([NoiseScale(decay=0.0, interval=1)]), plain, make_net(), batches, mse)
-    assert plain.noise_batch is not None
-    assert plain.noise_batch[0] != pytest.approx(12.0)  # micro-batch means: n / mean(1 / b_i)
+    assert plain.noise is not None
+    assert plain.noise.items != pytest.approx(12.0)  # micro-batch means: n / mean(1 / b_i)
 
 
 @pytest.mark.parametrize(("interval", "log_every"), [(1, 0), (3, 0), (4, 6), (10, 0)])
@@ -417,18 +420,26 @@ def test_noise_scale_measures_every_interval_th_window_and_the_logged_ones_with_
 # ------------------------------------------------------------------ adaptive growth
 
 
-def test_adaptive_growth_doubles_after_patience_checks_and_broadcasts_rank_zeros_decision():
-    growth = AdaptiveGrowth(target=1.0, max_factor=8, interval=2, patience=2)
+def _reading(noise_scale: float, step: int, items: float = 16.0, micro_steps: int = 2) -> NoiseReading:
+    """A reading with a tight interval (10 measurements, 1% scatter) around ``noise_scale``."""
+    estimate = NoiseScaleEstimate(1.0, noise_scale, noise_scale, 10.0, 1e-4, (noise_scale / 100) ** 2, 0.0)
+    return NoiseReading(estimate, items, micro_steps, step)
+
+
+def test_adaptive_growth_decides_once_per_measured_window_and_broadcasts_rank_zeros_decision():
+    growth = AdaptiveGrowth(target=1.0, max_factor=8)
     features = Features([growth])
     decided: list[int] = []
     ctx = Context(factor=2, is_global_zero=False, broadcast=lambda value: decided.append(value) or 4)
-    ctx.noise_scale, ctx.noise_batch = 100.0, (16.0, 2)
-    features.dispatch(Event.WINDOW_CLOSED, ctx)
-    ctx.optimizer_steps = 2
+    ctx.noise, ctx.optimizer_steps = _reading(100.0, step=1), 1
     features.dispatch(Event.WINDOW_OPENING, ctx)
     assert decided == [2]  # a non-zero rank proposes nothing of its own and takes rank zero's answer
     assert ctx.factor == 4
     assert growth.factor == 4
+    ctx.factor, ctx.optimizer_steps = 2, 2
+    features.dispatch(Event.WINDOW_OPENING, ctx)  # no window measured since: no decision, no collective
+    assert decided == [2]
+    assert ctx.factor == 4
 
 
 def test_adaptive_growth_resumes_with_the_measurement_it_decides_from():
@@ -436,18 +447,17 @@ def test_adaptive_growth_resumes_with_the_measurement_it_decides_from():
         features, factors = Features([growth]), []
         for step in steps:
             ctx = Context(factor=2, optimizer_steps=step)
+            ctx.noise = _reading(4.0 * step, step=step - step % 3) if step >= 3 else None  # every 3rd measured
             features.dispatch(Event.WINDOW_OPENING, ctx)
             factors.append(ctx.factor)
-            ctx.noise_scale, ctx.noise_batch = 10.0 * step, (4.0 * ctx.factor, ctx.factor)
-            features.dispatch(Event.WINDOW_CLOSED, ctx)
         return factors
 
-    whole = run(range(12), AdaptiveGrowth(interval=2, patience=2, max_factor=64))
-    first = AdaptiveGrowth(interval=2, patience=2, max_factor=64)
-    head = run(range(6), first)
-    resumed = AdaptiveGrowth(interval=2, patience=2, max_factor=64)
+    whole = run(range(30), AdaptiveGrowth(max_factor=64, shrink=True))
+    first = AdaptiveGrowth(max_factor=64, shrink=True)
+    head = run(range(15), first)
+    resumed = AdaptiveGrowth(max_factor=64, shrink=True)
     resumed.load_state_dict(copy.deepcopy(first.state_dict()))
-    assert head + run(range(6, 12), resumed) == whole
+    assert head + run(range(15, 30), resumed) == whole
     assert whole[-1] > 2
 
 

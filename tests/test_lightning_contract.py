@@ -201,6 +201,50 @@ def test_a_checkpoint_keeps_the_loop_progress_and_loader_states_where_resume_poi
     assert batches == [(2, x[8, 0].item()), (3, x[12, 0].item())]
 
 
+def test_loader_states_sized_early_are_dropped_by_lightning_and_restored_by_the_callback(tmp_path):
+    """Lightning issue #20550: ``estimated_stepping_batches`` in ``configure_optimizers`` sets the train loader up
+    before the checkpoint is restored, and the fit loop never loads the states it restored (lightning_accum/_resume.py's
+    ``restore_loader_states`` loads them, through the private names pinned here). Resumed at batch 2 of 4: stock
+    Lightning trains batch 0 again, the callback batch 2."""
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    from lightning_accum import AccumulationScheduler
+    from tests.helpers import ResumableLoader
+
+    for name in ("_combined_loader_states_to_load", "_combined_loader", "_data_fetcher"):
+        assert name in vars(_FitLoop(trainer()))
+    assert callable(_FitLoop._load_combined_loader_states)
+    assert isinstance(_FitLoop._should_reload_train_dl, property)
+    x, y = make_data(16)
+
+    class Sized(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            steps = int(self.trainer.estimated_stepping_batches)
+            return [optimizer], [torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=steps)]
+
+    class Save(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 2:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    def first_batch_after_resume(callbacks: list[Callback]) -> float:
+        data = ResumableLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+        trainer([*callbacks, Save()], max_epochs=1).fit(Sized(), data)
+        seen = []
+
+        class Record(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.append(batch[0][0, 0].item())
+
+        data = ResumableLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+        trainer([*callbacks, Record()], max_epochs=1).fit(Sized(), data, ckpt_path=tmp_path / "mid.ckpt")
+        return seen[0]
+
+    assert first_batch_after_resume([]) == x[0, 0].item()  # upstream: the loader starts over
+    assert first_batch_after_resume([AccumulationScheduler()]) == x[8, 0].item()  # restored
+
+
 def test_the_tqdm_bar_resets_its_total_in_its_own_epoch_start_hook_which_runs_after_this_callbacks(tmp_path):
     """lightning_accum/_run.py sizes the bar through its private ``_train_progress_bar`` and re-applies the size
     after the bar's own ``on_train_epoch_start`` (wrapped on the instance), which sets Lightning's count."""

@@ -333,7 +333,7 @@ def test_a_window_dropped_inside_a_backward_leaves_nothing_in_the_next_one():
     for a, b in zip(net.parameters(), reference.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad)
     features.dispatch(Event.GRADIENT_READY, ctx)
-    assert ctx.noise_scale == pytest.approx(_noise_scale_reference(reference, batches), rel=1e-4)
+    assert ctx.noise.estimate.noise_scale == pytest.approx(_noise_scale_reference(reference, batches), rel=1e-4)
 
 
 def _window_noise_scale(net: nn.Module, batches: list[Any], mean: list[torch.Tensor]) -> float:
@@ -376,7 +376,7 @@ def test_the_window_is_squared_as_the_optimizer_gets_it_and_a_window_dropped_aft
         features.dispatch(Event.WINDOW_CLOSING, ctx)
         mean = [param.grad.clone() for param in net.parameters()]
         features.dispatch(Event.GRADIENT_READY, ctx)
-        assert ctx.noise_scale == pytest.approx(_window_noise_scale(net, batches, mean), rel=1e-4)
+        assert ctx.noise.estimate.noise_scale == pytest.approx(_window_noise_scale(net, batches, mean), rel=1e-4)
     assert noise.state_dict()["updates"] == 2  # the dropped window was never measured
 
 
@@ -401,7 +401,7 @@ def test_every_micro_batch_of_a_windows_last_loader_batch_is_squared():
     features.dispatch(Event.WINDOW_CLOSING, ctx)
     mean = [param.grad.clone() for param in net.parameters()]
     features.dispatch(Event.GRADIENT_READY, ctx)
-    assert ctx.noise_scale == pytest.approx(_window_noise_scale(net, parts, mean), rel=1e-4)
+    assert ctx.noise.estimate.noise_scale == pytest.approx(_window_noise_scale(net, parts, mean), rel=1e-4)
 
 
 def test_a_parameter_without_a_gradient_keeps_none_when_a_backward_never_ends():

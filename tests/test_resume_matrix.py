@@ -1,9 +1,9 @@
 """Every configuration with state resumes exactly: from a checkpoint at a window boundary, and after a SIGKILL.
 
 The configurations (tests/scripts/resume_run.py) cover each kind of state the callback keeps: schedules by epoch,
-step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth,
-token weighting, and all of them together. Each resumed run must end within 1e-6 of the uninterrupted run, with the
-same number of optimizer steps.
+step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth
+(from factor 1 too, with a SampleDrivenLR schedule), token weighting, and all of them together. Each resumed run
+must end within 1e-6 of the uninterrupted run, with the same number of optimizer steps.
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def test_the_configurations_change_what_they_should(uninterrupted):
     """Guards the matrix: each configuration really has the state its resume is meant to test."""
     _, _, _, adaptive = uninterrupted["adaptive"]
     assert adaptive.features["adaptive"].factor > 2  # it grew from 2 during the run
+    _, _, _, from_one = uninterrupted["adaptive_from_1"]
+    assert from_one.features["adaptive"].factor > 1  # it grew from 1, measuring halves
     _, _, _, noise = uninterrupted["noise_scale"]
     assert noise.features["noise_scale"].estimate.noise_scale is not None
     for name in ("ramp", "sample_unit", "everything"):

@@ -11,6 +11,7 @@ from lightning_accum.features.lr_scaling import LRScaling
 from lightning_accum.features.metrics import Metrics
 from lightning_accum.features.noise_scale import NoiseScale
 from lightning_accum.features.progress_bar import ProgressBar
+from lightning_accum.features.sample_driven import SampleDrivenSchedules
 from lightning_accum.features.token_count import TokenCount
 from lightning_accum.features.wide_accumulation import WideAccumulation
 
@@ -21,6 +22,7 @@ __all__ = [
     "Metrics",
     "NoiseScale",
     "ProgressBar",
+    "SampleDrivenSchedules",
     "TokenCount",
     "WideAccumulation",
 ]

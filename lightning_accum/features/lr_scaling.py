@@ -1,9 +1,10 @@
-"""LR scaling (``lr_scaling``, ``base_batch_size``, ``lr_warmup_steps``): the learning rate follows the effective batch.
+"""LR scaling (``lr_scaling``, ``base_batch_size``, ``lr_warmup_steps``, ``lr_scale_max``): the LR follows the batch.
 
 At each window's opening the scale's target is set from the window's effective batch (linear or square-root rule of
-:mod:`lightning_accum.scaling`, with an optional warmup); the scale multiplies each param group's ``lr`` only while
-``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with ``lr_scaling="none"`` the scale is 1,
-no optimizer step is wrapped, and only ``accum/lr`` and ``accum/lr_scale`` are logged.
+:mod:`lightning_accum.scaling`, capped at ``lr_scale_max``, with an optional warmup); the scale multiplies each param
+group's ``lr`` only while ``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with
+``lr_scaling="none"`` the scale is 1, no optimizer step is wrapped, and only ``accum/lr`` and ``accum/lr_scale`` are
+logged.
 
 ``accum/lr`` is the learning rate the step really used, read just before the step (after the window's last backward,
 before the LR scheduler moves on), scale included; with several param groups of different rates each has its own
@@ -19,7 +20,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature
-from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale, lr_summary
+from lightning_accum.scaling import (
+    SCALE_WARNING,
+    ScaledStep,
+    ScaleWarmup,
+    check_max_scale,
+    check_rule,
+    lr_scale,
+    lr_summary,
+)
 from lightning_accum.schedule import check_int
 
 
@@ -31,6 +40,8 @@ class LRScaling(Feature):
         base_batch_size: The global batch (in samples) at which the configured learning rate was tuned; by default
             the effective batch of the first window. Kept in the checkpoint, so a resumed run keeps its base.
         warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
+        max_scale: The largest scale (``lr_scale_max``): the rule's scale is capped there, with a warning the first
+            time; ``None``: no cap, and a warning the first time the scale passes :data:`SCALE_WARNING` (4).
 
     Raises:
         TypeError: If ``base_batch_size`` or ``warmup_steps`` is not an integer.
@@ -53,8 +64,16 @@ class LRScaling(Feature):
 
     name = "lr_scaling"
 
-    def __init__(self, rule: str = "none", base_batch_size: int | None = None, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        rule: str = "none",
+        base_batch_size: int | None = None,
+        warmup_steps: int = 0,
+        max_scale: float | None = None,
+    ) -> None:
         self.rule = check_rule(rule)
+        self.max_scale = check_max_scale(max_scale)
+        self._warned = False  # whether this run was told its scale passed the bound
         self._configured_base = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
         self._warmup = ScaleWarmup(steps=check_int("lr_warmup_steps", warmup_steps, minimum=0))
         # resolved at the run's first fit start, then kept (checkpointed): samples, or micro-batches when the
@@ -67,7 +86,7 @@ class LRScaling(Feature):
     @override
     def reset(self) -> None:
         self._warmup = ScaleWarmup(steps=self._warmup.steps)
-        self.base_batch_size = None
+        self.base_batch_size, self._warned = None, False
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -105,12 +124,28 @@ class LRScaling(Feature):
     @override
     def window_opened(self, ctx: Context) -> None:
         assert self.base_batch_size is not None, "resolved at fit start"
-        target = lr_scale(self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size)
+        target = self._bounded(lr_scale(self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size), ctx)
         if target != self._warmup.target and self.rule != "none":
             over = f" over {self._warmup.steps} steps" if self._warmup.steps else ""
             ctx.summary.append(f"lr scale {self._warmup.target:.4g} -> {target:.4g}{over}")
         self._warmup.set(target, step=ctx.optimizer_steps)
         self._scale = self._warmup.value(ctx.optimizer_steps)
+
+    def _bounded(self, scale: float, ctx: Context) -> float:
+        """``scale`` within ``max_scale``; the first scale past the bound (or past :data:`SCALE_WARNING`) is told."""
+        bound = self.max_scale if self.max_scale is not None else SCALE_WARNING
+        if scale > bound and not self._warned:
+            self._warned = True
+            batch = ctx.effective_batch(ctx.factor)
+            if self.max_scale is not None:
+                told = f"it stays at lr_scale_max={self.max_scale:g}"
+            else:
+                told = "set lr_scale_max to cap it (a scaled LR that diverges is the usual way a growing batch fails)"
+            rank_zero_warn(
+                f"AccumulationScheduler: lr_scaling={self.rule!r} scales the learning rate by {scale:.4g} at the"
+                f" effective batch {batch:g} (base {self.base_batch_size:g}), past {bound:g}: {told}"
+            )
+        return min(scale, self.max_scale) if self.max_scale is not None else scale
 
     @override
     def window_closing(self, ctx: Context) -> None:

@@ -10,9 +10,13 @@ it (one that did would make glibc page-fault the backward's large allocations af
 and the squared norms become the two sums of :mod:`lightning_accum.noise`, whose averages decay per optimizer step
 (not per measured window, which would make them lag ``interval`` times as far); on several ranks the micro-batch sums
 are added over the ranks in one all-reduce, so every rank holds the same estimate. On the other windows nothing runs.
+With ``halves`` (adaptive growth), on one process where the schedule can give factor 1, a measured window of one loader
+batch asks for two halves (``ctx.noise_parts``): the micro-batcher runs each half as a micro-batch, so the window has
+two gradients to compare.
 
 Reads ``ctx.items``, ``ctx.window_items`` (item weighting) and ``ctx.log_every`` (the metrics); publishes
-``ctx.noise_scale`` and ``ctx.noise_batch`` at ``FIT_START`` and at each measured window's ``GRADIENT_READY``.
+``ctx.noise`` at ``FIT_START`` and at each measured window's ``GRADIENT_READY``, ``ctx.noise_parts`` at ``FIT_START``
+(the most it will ask for) and ``WINDOW_OPENED``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing_extensions import override
 
 from lightning_accum.events import Context, Feature
 from lightning_accum.items import count_samples
-from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator
+from lightning_accum.noise import NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
 from lightning_accum.schedule import check_int
 
 
@@ -55,14 +59,17 @@ class NoiseScale(Feature):
     """Estimate the simple noise scale ``B_simple = tr(Sigma) / |G|^2`` on sampled windows.
 
     Logs ``accum/noise_scale`` (in samples, or tokens under ``normalize_by="token"``), ``accum/noise_grad_sq``,
-    ``accum/noise_trace`` and ``accum/noise_scale_to_batch`` (the noise scale over the latest measured batch). Under
-    DDP the small batch is one rank's micro-batch and the big batch the global window.
+    ``accum/noise_trace``, ``accum/noise_scale_to_batch`` (the noise scale over the latest measured batch) and
+    ``accum/noise_measurements`` (the effective number of measured windows behind it). Under DDP the small batch is
+    one rank's micro-batch and the big batch the global window.
 
     Args:
         decay: Decay of the moving averages that smooth the two estimates, per optimizer step, in ``[0, 1)``: a
             measured window ``k`` steps after the previous one weighs ``1 - decay ** k``.
         interval: Measure every ``interval``-th window (by the optimizer step it ends in); ``1`` measures every one.
             Windows whose step is logged are measured too.
+        halves: On one process, run a measured window of one loader batch as its two halves, so that factor 1 has two
+            gradients to compare (adaptive growth asks for it; the loss must be a mean over the batch's rows).
 
     Raises:
         TypeError: If ``interval`` is not an integer.
@@ -81,15 +88,16 @@ class NoiseScale(Feature):
         ...     features.dispatch(Event.BEFORE_BACKWARD, ctx)
         ...     (net(ctx.batch).sum() / 2).backward()
         ...     features.dispatch(Event.AFTER_BACKWARD, ctx)
-        >>> features.dispatch(Event.GRADIENT_READY, ctx); ctx.noise_scale
+        >>> features.dispatch(Event.GRADIENT_READY, ctx); ctx.noise.estimate.noise_scale
         0.5
     """
 
     name = "noise_scale"
 
-    def __init__(self, decay: float = 0.95, interval: int = 10) -> None:
+    def __init__(self, decay: float = 0.95, interval: int = 10, halves: bool = False) -> None:
         self._estimator = NoiseScaleEstimator(decay)
         self.interval = check_int("noise_scale_interval", interval, minimum=1)
+        self.halves = halves
         self.measurement: NoiseMeasurement | None = None  # the latest window's, this fit
         self._warned = False  # whether windows whose gradients came in parts were warned of
         self._batch: tuple[float, int] | None = None  # (items, micro-steps) of the latest measured window
@@ -102,6 +110,7 @@ class NoiseScale(Feature):
         self._seen = bytearray()  # which parameters' hooks ran in the backward in progress
         self._parts = False  # whether a parameter's gradient came in parts in a backward of this window
         self._backwards: list[tuple[int, Any, Any]] = []  # (first entry, loss divisor, items) of each backward
+        self._halves = False  # whether measured windows of one loader batch are split in two halves (this fit)
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
@@ -127,13 +136,31 @@ class NoiseScale(Feature):
     @override
     def fit_start(self, ctx: Context) -> None:
         self.measurement = None
-        ctx.noise_scale, ctx.noise_batch = self._estimator.estimate.noise_scale, self._batch
+        ctx.noise = self._reading()
+        # one process: a window of one loader batch has a single gradient, so measured ones are split in two halves
+        one_batch = ctx.world_size == 1 and (ctx.schedule is None or ctx.schedule.min_factor == 1)
+        self._halves = self.halves and one_batch and not ctx.splitting
+        if self._halves and not ctx.can_split:
+            self._halves = False
+            rank_zero_warn(
+                "AccumulationScheduler: `training_step(self, dataloader_iter)` fetches its own batches, so a window of"
+                " one micro-batch cannot be measured in two halves: the noise scale is measured only on windows of"
+                " factor 2 or more"
+            )
+        ctx.noise_parts = 2 if self._halves else 1
+
+    def _reading(self) -> NoiseReading | None:
+        if self._batch is None:
+            return None
+        return NoiseReading(self._estimator.estimate, self._batch[0], self._batch[1], self._step)
 
     @override
     def window_opened(self, ctx: Context) -> None:
         self._release()  # a window dropped before its step leaves nothing behind
         step = ctx.optimizer_steps + 1  # the step this window ends in
-        if step % self.interval == 0 or (ctx.log_every > 0 and step % ctx.log_every == 0):
+        measured = step % self.interval == 0 or (ctx.log_every > 0 and step % ctx.log_every == 0)
+        ctx.noise_parts = 2 if measured and self._halves and ctx.window.size == 1 else 1
+        if measured:
             self._params = [param for param in ctx.module.parameters() if param.requires_grad]
             self._hooks = [p.register_hook(functools.partial(self._add, i)) for i, p in enumerate(self._params)]
             self._reserve(len(self._params) * (ctx.window.size + 1), self._params[0].device)
@@ -193,8 +220,9 @@ class NoiseScale(Feature):
         entries = self._entries[: self._count]
         self._release()
         # every rank measures the same windows and adds its sums in, whatever it has to add
-        small, bearing, inverse, micro_batches, in_parts, big_sq = _window_sums(
-            backwards, parts, entries, first_mean, ctx
+        reduce = ctx.reduce if ctx.world_size > 1 else None
+        small, bearing, inverse, micro_batches, in_parts, big_sq = window_sums(
+            backwards, parts, entries, first_mean, reduce
         )
         if in_parts:
             if not self._warned:
@@ -217,16 +245,19 @@ class NoiseScale(Feature):
         step = ctx.optimizer_steps + 1  # the step this window ends in; the averages decay per step since the last
         if self._estimator.update(small_sq, big_sq, inverse_small, big, steps=step - self._step) is not None:
             self._batch, self._step = (big, ctx.window.taken), step
-        ctx.noise_scale, ctx.noise_batch = self._estimator.estimate.noise_scale, self._batch
+        ctx.noise = self._reading()
 
     @override
     def window_closed(self, ctx: Context) -> None:
         estimate = self._estimator.estimate
-        if estimate.noise_scale is None:
+        if not estimate.measurements:
             return
-        ctx.metrics["accum/noise_scale"] = estimate.noise_scale
         ctx.metrics["accum/noise_grad_sq"] = estimate.grad_sq
         ctx.metrics["accum/noise_trace"] = estimate.trace
+        ctx.metrics["accum/noise_measurements"] = estimate.measurements
+        if estimate.noise_scale is None:  # |G|^2 at or below 0: no ratio to log
+            return
+        ctx.metrics["accum/noise_scale"] = estimate.noise_scale
         if self._batch is not None and self._batch[0] > 0:  # the batch in the estimate's own unit
             ctx.metrics["accum/noise_scale_to_batch"] = estimate.noise_scale / self._batch[0]
 
@@ -262,38 +293,3 @@ def _items(ctx: Context) -> Any:
         return count_samples(ctx.batch)
     except ValueError:
         return ctx.micro_batch_size or 1
-
-
-def _window_sums(
-    backwards: list[tuple[int, Any, Any]], parts: bool, entries: list[torch.Tensor], first_mean: int, ctx: Context
-) -> list[float]:
-    """``[sum |g_i|^2, micro-batches with items, sum 1 / b_i, micro-batches, ranks with parts, |g|^2]``.
-
-    ``entries`` holds each backward's squared gradients, from its first entry on, then from ``first_mean`` the step's.
-    ``g_i`` is micro-batch ``i``'s gradient of its mean loss (its backward's, times its loss divisor); only the
-    micro-batches that hold items count in the first three. All but the last summed over the ranks: one all-reduce
-    on several ranks, and one read to the host.
-    """
-    device = entries[0].device if entries else torch.device("cpu")
-    dtype = torch.float32 if device.type == "mps" else torch.float64
-    squared = torch.stack(entries).to(dtype) if entries else torch.zeros(0, dtype=dtype, device=device)
-    local = torch.zeros(5, dtype=dtype, device=device)
-    if backwards:
-        firsts = [first for first, _, _ in backwards]
-        sizes = [end - first for first, end in zip(firsts, [*firsts[1:], first_mean], strict=True)]
-        owner = torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
-        squares = torch.zeros(len(sizes), dtype=dtype, device=device).index_add_(0, owner, squared[:first_mean])
-
-        def column(values: list[Any]) -> torch.Tensor:
-            return torch.stack([torch.as_tensor(v, device=device).to(dtype).reshape(()) for v in values])
-
-        divisors, items = column([d for _, d, _ in backwards]), column([n for _, _, n in backwards])
-        bearing = (items > 0).to(dtype)
-        local[0] = (squares * divisors.square() * bearing).sum()
-        local[1] = bearing.sum()
-        local[2] = (bearing / items.clamp(min=1e-12)).sum()
-        local[3] = len(backwards)
-    local[4] = float(parts)
-    if ctx.world_size > 1:
-        local = ctx.reduce(local, "sum")
-    return torch.cat([local, squared[first_mean:].sum().reshape(1)]).tolist()

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_accum import AccumulationScheduler  # noqa: E402
+from lightning_accum import AccumulationScheduler, SampleDrivenLR, estimated_stepping_batches  # noqa: E402
 from tests.helpers import (  # noqa: E402
     DictDataset,
     RegressionModule,
@@ -45,17 +45,28 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "lr_warmup": dict(scheduling={0: 2, 3: 4}, unit="step", lr_scaling="sqrt", lr_warmup_steps=3),
     # every third window measured: measured windows before and after the interruption
     "noise_scale": dict(scheduling={0: 2}, noise_scale=True, noise_scale_decay=0.5, noise_scale_interval=3),
+    # the module's LR schedule is a SampleDrivenLR (make_module): its position is state too
     "adaptive": dict(
         scheduling={0: 2},
         noise_scale=True,
-        noise_scale_decay=0.5,
-        noise_scale_interval=3,
+        noise_scale_decay=0.8,
+        noise_scale_interval=2,
         adaptive=True,
         adaptive_target=64.0,
-        adaptive_interval=2,
-        adaptive_patience=1,
         adaptive_max_factor=8,
         lr_scaling="linear",
+    ),
+    # from factor 1: measured windows run as two halves; the factor grows and comes down again
+    "adaptive_from_1": dict(
+        noise_scale=True,
+        noise_scale_decay=0.8,
+        noise_scale_interval=1,
+        adaptive=True,
+        adaptive_target=16.0,
+        adaptive_max_factor=6,
+        adaptive_confidence=0.6,
+        adaptive_shrink=True,
+        lr_scaling="sqrt",
     ),
     "token": dict(scheduling={0: 3, 1: 2}, normalize_by="token"),
     "token_unit": dict(scheduling={0: 1, 30: 3, 120: 2}, unit="token"),
@@ -73,6 +84,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+class SampleDrivenModule(RegressionModule):
+    """SGD with a linear decay spread over the run's samples (lightning_accum.SampleDrivenLR)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        steps = int(estimated_stepping_batches(self.trainer))
+        decay = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.1, total_iters=steps)
+        return [optimizer], [{"scheduler": SampleDrivenLR(decay), "interval": "step"}]
+
+
 class TokenModule(RegressionModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return token_loss(self.net, batch["features"], batch["labels"])
@@ -86,6 +107,8 @@ def make_module(name: str, seed: int = 1) -> pl.LightningModule:
     torch.manual_seed(0)
     if _tokens(name):
         module: pl.LightningModule = TokenModule(seed=seed)
+    elif name.startswith("adaptive"):
+        module = SampleDrivenModule(seed=seed)
     else:
         module = RegressionModule(seed=seed)
     return module

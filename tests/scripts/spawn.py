@@ -70,7 +70,6 @@ def run(name: str, out: Path) -> None:
                 lr_warmup_steps=2,
                 noise_scale=True,
                 adaptive=True,
-                adaptive_interval=2,
             )
         )
     trainer = pl.Trainer(

@@ -214,7 +214,8 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
                 noise_scale_decay=options.get("noise_scale_decay", 0.99),
                 noise_scale_interval=options.get("noise_scale_interval", 10),
                 adaptive=options.get("adaptive", False),
-                adaptive_interval=5,
+                # ranks that disagree on purpose: rank 1 would grow at once to the maximum; rank zero's decision rules
+                adaptive_target=64.0 if options.get("rank1_target") and int(os.environ.get("LOCAL_RANK", 0)) else 1.0,
                 adaptive_max_factor=32,
                 micro_batch_size=options.get("micro_batch_size"),
                 count_items=nan_at_batch_1_on_rank_1 if options.get("bad_count") else None,
@@ -318,6 +319,17 @@ NOISE_FROZEN_K4 = {
     "epochs": 3,
 }
 NOISE_SUMS = {"noise_scale": True, "noise_scale_decay": 0.0, "noise_scale_interval": 2}
+ADAPTIVE = {
+    "mode": "ours",
+    "scheduling": {0: 2},
+    "noise_scale": True,
+    "noise_scale_decay": 0.9,
+    "noise_scale_interval": 2,
+    "adaptive": True,
+    "lr": 0.05,
+    "num_samples": 512,
+    "epochs": 6,
+}
 CONFIGS = {
     "stock_k4": {"mode": "stock", "factor": 4},
     "last_k3": {"mode": "ours", "scheduling": {0: 3}},
@@ -342,16 +354,9 @@ CONFIGS = {
     },
     "noise_sums_token": {"mode": "ours", "scheduling": {0: 3}, "normalize_by": "token", **NOISE_SUMS},
     # the noise scale grows as the model converges: the factor grows, by rank zero's decision on every rank
-    "adaptive_k2": {
-        "mode": "ours",
-        "scheduling": {0: 2},
-        "noise_scale": True,
-        "noise_scale_decay": 0.9,
-        "adaptive": True,
-        "lr": 0.05,
-        "num_samples": 512,
-        "epochs": 6,
-    },
+    "adaptive_k2": ADAPTIVE,
+    # the same, with rank 1's callback built with another target: every rank still takes rank zero's decisions
+    "adaptive_disagree_k2": {**ADAPTIVE, "rank1_target": True},
     # last: a manual training_step that runs its window's last backward without the reduction must not step
     "misuse_last_step": {"mode": "manual", "factor": 3, "misuse": True},
     "last_step_schedule": {"mode": "ours", "scheduling": {0: 2, 3: 4}, "unit": "step"},
