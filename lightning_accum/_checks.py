@@ -17,29 +17,19 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum._position import count_steps
-from lightning_accum.adaptive import check_evidence
 from lightning_accum.events import takes_dataloader_iter
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_modules
 
 
-def check_arguments(
-    adaptive: object, noise_scale: object, micro_batch_size: object, decay: object = 0.95, interval: object = 10
-) -> None:
-    """Refuse arguments that only make sense together, or a ``micro_batch_size`` string other than ``"auto"``.
-
-    ``decay`` and ``interval`` (the noise scale's) are judged together only when each is valid on its own: the
-    constructors name a value that is not.
-    """
+def check_arguments(adaptive: object, noise_scale: object, micro_batch_size: object) -> None:
+    """Refuse arguments that only make sense together, or a ``micro_batch_size`` string other than ``"auto"``."""
     if check_bool("adaptive", adaptive) and noise_scale is not True:
         raise ValueError(
             f"`adaptive=True` grows the factor from the measured noise scale: set noise_scale=True as well (got"
             f" noise_scale={noise_scale!r})"
         )
-    valid_decay = isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 <= decay < 1
-    if adaptive and valid_decay and isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1:
-        check_evidence(float(decay), interval)  # type: ignore[arg-type]
     if isinstance(micro_batch_size, str) and micro_batch_size != "auto":
         raise ValueError(f"`micro_batch_size` must be an integer >= 1, 'auto' or None, got {micro_batch_size!r}")
 

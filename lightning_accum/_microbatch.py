@@ -92,7 +92,8 @@ class MicroBatcher:
         self._parts: Callable[[], int] = _whole
         self.changes: list[tuple[int, int]] = []  # (old size, new size), for the summary
         self.anchored = False  # the backward Lightning runs now is the anchor's: no micro-batch's
-        self._report: tuple[torch.Tensor | None, Any] = (None, None)  # the loader batch's mean loss and its items
+        # the loader batch's mean loss and its items; None for a batch handed on whole
+        self._report: tuple[torch.Tensor | None, Any] | None = (None, None)
 
     def install(
         self, trainer: Any, module: Any, owner: Owner, window: Window, parts: Callable[[], int] | None = None
@@ -125,7 +126,7 @@ class MicroBatcher:
         return self.installed and (self.size is not None or self.auto or self._parts() > 1)
 
     def report(self) -> tuple[torch.Tensor | None, Any] | None:
-        """The loader batch's mean loss and its items, after its ``training_step``; ``None`` when not splitting."""
+        """The loader batch's mean loss and its items, after its ``training_step``; ``None`` when it was not split."""
         return self._report if self.installed else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -157,7 +158,12 @@ class MicroBatcher:
     def _training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         self.anchored = False  # set again when this batch hands Lightning an anchor
         assert self._window is not None
-        if self._window.is_first and self.zeroes:  # Lightning would zero them after training_step, too late
+        assert self._owner is not None
+        if not self.zeroes:  # a window the noise scale does not measure in halves: the batch goes on as it came
+            self._report = None
+            self._owner._start_micro_batch(batch)
+            return self._original(batch, *args, **kwargs)
+        if self._window.is_first:  # Lightning would zero them after training_step, too late
             self._zero_grad()
         rows = batch_rows(batch)
         if self.size is None and self.auto:  # "auto" starts at the loader batch's size

@@ -129,7 +129,7 @@ class AccumulationScheduler(Callback):
         grad_accum_dtype: str | None = "auto",
     ) -> None:
         super().__init__()
-        check_arguments(adaptive, noise_scale, micro_batch_size, noise_scale_decay, noise_scale_interval)
+        check_arguments(adaptive, noise_scale, micro_batch_size)
         # The one place features are registered, each with its switch (arguments checked, on or off), in the order
         # events reach them: each publishes what the ones after it read; metrics logs what all of them added.
         registry: list[tuple[Feature, bool]] = [

@@ -98,8 +98,8 @@ class SampleDrivenLR(LRScheduler):
         """Whether a callback moves it (from :meth:`attach` to :meth:`detach`)."""
         return self._consumed is not None
 
-    def attach(self, consumed: Callable[[], float], steps: int, total: float) -> None:
-        """Move by ``consumed()`` from now on: ``steps`` and ``total`` are used where the constructor left them out."""
+    def attach(self, consumed: Callable[[], float], steps: float, total: float) -> None:
+        """Move by ``consumed()`` from now on; ``steps`` and ``total`` (finite) fill what the constructor left out."""
         self._consumed = consumed
         self.steps = self.steps if self.steps is not None else max(1, int(steps))
         self.total = self.total if self.total is not None else max(1.0, float(total))

@@ -10,9 +10,9 @@ it (one that did would make glibc page-fault the backward's large allocations af
 and the squared norms become the two sums of :mod:`lightning_accum.noise`, whose averages decay per optimizer step
 (not per measured window, which would make them lag ``interval`` times as far); on several ranks the micro-batch sums
 are added over the ranks in one all-reduce, so every rank holds the same estimate. On the other windows nothing runs.
-With ``halves`` (adaptive growth), on one process where the schedule can give factor 1, a measured window of one loader
-batch asks for two halves (``ctx.noise_parts``): the micro-batcher runs each half as a micro-batch, so the window has
-two gradients to compare.
+With ``adaptive`` (adaptive growth acts on it), on one process where the schedule can give factor 1, a measured window
+of one loader batch asks for two halves (``ctx.noise_parts``): the micro-batcher runs each half as a micro-batch, so
+the window has two gradients to compare.
 
 Reads ``ctx.items``, ``ctx.window_items`` (item weighting) and ``ctx.log_every`` (the metrics); publishes
 ``ctx.noise`` at ``FIT_START`` and at each measured window's ``GRADIENT_READY``, ``ctx.noise_parts`` at ``FIT_START``
@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accum.adaptive import check_evidence
 from lightning_accum.events import Context, Feature
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
@@ -68,13 +69,15 @@ class NoiseScale(Feature):
             measured window ``k`` steps after the previous one weighs ``1 - decay ** k``.
         interval: Measure every ``interval``-th window (by the optimizer step it ends in); ``1`` measures every one.
             Windows whose step is logged are measured too.
-        halves: On one process, run a measured window of one loader batch as its two halves, so that factor 1 has two
-            gradients to compare (adaptive growth asks for it; the loss must be a mean over the batch's rows).
+        adaptive: Adaptive growth acts on the estimate: on one process a measured window of one loader batch runs as
+            its two halves, so that factor 1 has two gradients to compare (the loss must be a mean over the batch's
+            rows), and the averages must be able to hold the evidence it needs.
 
     Raises:
         TypeError: If ``interval`` is not an integer.
-        ValueError: If ``decay`` is outside ``[0, 1)`` or ``interval`` below 1; at ``setup``, under a strategy that
-            shards parameters, whose hooks see only shards.
+        ValueError: If ``decay`` is outside ``[0, 1)`` or ``interval`` below 1; with ``adaptive``, if the two could
+            never hold the evidence it needs (:func:`~lightning_accum.adaptive.check_evidence`); at ``setup``, under a
+            strategy that shards parameters, whose hooks see only shards.
 
     Example::
 
@@ -94,10 +97,12 @@ class NoiseScale(Feature):
 
     name = "noise_scale"
 
-    def __init__(self, decay: float = 0.95, interval: int = 10, halves: bool = False) -> None:
+    def __init__(self, decay: float = 0.95, interval: int = 10, adaptive: bool = False) -> None:
         self._estimator = NoiseScaleEstimator(decay)
         self.interval = check_int("noise_scale_interval", interval, minimum=1)
-        self.halves = halves
+        self.adaptive = adaptive
+        if adaptive:
+            check_evidence(self._estimator.decay, self.interval)
         self.measurement: NoiseMeasurement | None = None  # the latest window's, this fit
         self._warned = False  # whether windows whose gradients came in parts were warned of
         self._batch: tuple[float, int] | None = None  # (items, micro-steps) of the latest measured window
@@ -139,7 +144,7 @@ class NoiseScale(Feature):
         ctx.noise = self._reading()
         # one process: a window of one loader batch has a single gradient, so measured ones are split in two halves
         one_batch = ctx.world_size == 1 and (ctx.schedule is None or ctx.schedule.min_factor == 1)
-        self._halves = self.halves and one_batch and not ctx.splitting
+        self._halves = self.adaptive and one_batch and not ctx.splitting
         if self._halves and not ctx.can_split:
             self._halves = False
             rank_zero_warn(

@@ -41,7 +41,7 @@ class SampleDrivenSchedules(Feature):
             def consumed(unit: str = scheduler.unit) -> float:
                 return float(ctx.tokens_seen if unit == "token" else ctx.samples_seen)
 
-            scheduler.attach(consumed, steps=int(min(ctx.planned_steps, 2**62)), total=ctx.planned_samples)
+            scheduler.attach(consumed, steps=ctx.planned_steps, total=ctx.planned_samples)
             self._schedulers.append(scheduler)
 
     @override
