@@ -1,6 +1,7 @@
-"""What the speed benchmarks share: a backward-dominated MLP, its data, and alternating side-by-side rounds.
+"""What the speed benchmarks share: a backward-dominated MLP, its data, and side-by-side rounds.
 
-Not a benchmark itself; ``overhead.py`` and ``noise_overhead.py`` import it (run them from the repository root).
+Not a benchmark itself; ``overhead.py``, ``noise_overhead.py``, ``feature_overhead.py`` and the GPU suite
+(``gpu/``) import it (run them from the repository root).
 """
 
 from __future__ import annotations
@@ -65,6 +66,33 @@ def alternate(measure: Callable[[bool], float], rounds: int) -> dict[str, Any]:
         "ratios": ratios,
         "rounds": times,
     }
+
+
+def rotated_rounds(
+    measure: Callable[[str], float], names: list[str], count: int, deadline: float | None = None
+) -> dict[str, list[float]]:
+    """Each configuration once per round, in an order rotated every round, so that drift hits all alike.
+
+    ``measure(name)`` returns one configuration's time. With a ``deadline`` (a ``time.monotonic()`` value), no round
+    starts once a round as long as the longest so far would end after it; at least one round always runs.
+    """
+    times: dict[str, list[float]] = {name: [] for name in names}
+    longest = 0.0
+    for round_index in range(count):
+        if deadline is not None and round_index and time.monotonic() + longest > deadline:
+            break
+        started = time.monotonic()
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(measure(name))
+        longest = max(longest, time.monotonic() - started)
+    return times
+
+
+def ratio(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
+    """Round-by-round ratios ``name / baseline``: their median and range."""
+    ratios = [a / b for a, b in zip(times[name], times[baseline], strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def device() -> str:

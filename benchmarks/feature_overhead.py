@@ -42,8 +42,11 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_accum
-from lightning_accum import AccumulationScheduler
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ratio, rotated_rounds  # noqa: E402
+
+import lightning_accum  # noqa: E402
+from lightning_accum import AccumulationScheduler  # noqa: E402
 
 FACTOR = 4
 
@@ -184,18 +187,7 @@ def isolated(spec: dict[str, Any]) -> float:
 
 def rounds(specs: dict[str, dict[str, Any]], count: int) -> dict[str, list[float]]:
     """Each configuration once per round, in an order rotated every round, each in a process of its own."""
-    names = list(specs)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(count):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(isolated(specs[name]))
-    return times
-
-
-def ratio(times: dict[str, list[float]], name: str, baseline: str) -> dict[str, float]:
-    ratios = [a / b for a, b in zip(times[name], times[baseline], strict=True)]
-    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return rotated_rounds(lambda name: isolated(specs[name]), list(specs), count)
 
 
 def main() -> None:

@@ -67,8 +67,10 @@ def data(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ torch.randn(WIDTH, WIDTH, generator=generator) / 16 + torch.randn(samples, WIDTH, generator=generator)
 
 
-def reference(x: torch.Tensor, y: torch.Tensor, factor: int) -> list[torch.Tensor]:
-    net = Regression().net.to(torch.bfloat16)
+def reference(x: torch.Tensor, y: torch.Tensor, factor: int, device: str = "cpu") -> list[torch.Tensor]:
+    """The correctly rounded mean: each micro-batch's gradient alone, summed in float32, rounded once."""
+    net = Regression().net.to(device=device, dtype=torch.bfloat16)
+    x, y = x.to(device), y.to(device)
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in net.parameters()]
     for start in range(0, factor * MICRO_BATCH, MICRO_BATCH):
         net.zero_grad()
@@ -79,9 +81,9 @@ def reference(x: torch.Tensor, y: torch.Tensor, factor: int) -> list[torch.Tenso
     return [total.to(torch.bfloat16) for total in sums]
 
 
-def trainer(**kwargs: Any) -> pl.Trainer:
+def trainer(accelerator: str = "auto", **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(
-        accelerator="auto",
+        accelerator=accelerator,
         devices=1,
         logger=False,
         enable_checkpointing=False,
@@ -91,14 +93,15 @@ def trainer(**kwargs: Any) -> pl.Trainer:
     )
 
 
-def error(grad_accum_dtype: str | None, factor: int) -> dict[str, float]:
+def error(grad_accum_dtype: str | None, factor: int, device: str = "cpu") -> dict[str, float]:
+    """The gradient one window of ``factor`` hands the optimizer, against the correctly rounded mean, on ``device``."""
     x, y = data(factor * MICRO_BATCH)
     module = Regression()
     callback = AccumulationScheduler({0: factor}, grad_accum_dtype=grad_accum_dtype)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=MICRO_BATCH)
-    trainer(callbacks=[callback], max_steps=1, precision="bf16-true").fit(module, loader)
+    trainer(device, callbacks=[callback], max_steps=1, precision="bf16-true").fit(module, loader)
     assert module.optimizer is not None
-    seen, exact = module.optimizer.seen, reference(x, y, factor)
+    seen, exact = module.optimizer.seen, reference(x, y, factor, device)
     ulps = 0.0
     for g, r in zip(seen, exact, strict=True):
         r32, g32 = r.float(), g.float()
@@ -125,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
 
     rows = [
-        {"factor": factor, "bfloat16": error(None, factor), "float32": error("float32", factor)}
+        {"factor": factor, "bfloat16": error(None, factor, device()), "float32": error("float32", factor, device())}
         for factor in args.factors
     ]
     print("| factor | bf16 accumulation: max ulps | rel. norm error | fp32 accumulation: max ulps | rel. norm error |")

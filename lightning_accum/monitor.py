@@ -28,7 +28,8 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/tokens_seen`` | with ``unit="token"``: loss-bearing tokens consumed by all ranks, the schedule's position |
 | ``accum/memory_allocated_mb`` | CUDA: memory allocated after the step |
 | ``accum/memory_reserved_mb`` | CUDA: memory reserved by the caching allocator |
-| ``accum/memory_peak_mb`` | CUDA: the peak allocated since the last optimizer step |
+| ``accum/memory_peak_mb`` | CUDA: the peak allocated since the process started or the user's last
+  ``torch.cuda.reset_peak_memory_stats`` (never reset here: the user's own peak measurement stays true) |
 | ``accum/memory_rss_mb`` | CPU: the process's resident memory |
 """
 
@@ -89,15 +90,17 @@ def step_metrics(record: StepRecord) -> dict[str, float]:
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """Memory in MiB: CUDA allocated, reserved and peak since the last call on a CUDA device, else the process RSS."""
+    """Memory in MiB: CUDA allocated, reserved and peak allocated on a CUDA device, else the process RSS.
+
+    The CUDA peak is ``torch.cuda.max_memory_allocated``, read and never reset: the peak statistic is the process's
+    (and the user's, who may be measuring a fit with it), not this callback's.
+    """
     if device.type == "cuda":
-        metrics = {
+        return {
             "accum/memory_allocated_mb": torch.cuda.memory_allocated(device) / _MB,
             "accum/memory_reserved_mb": torch.cuda.memory_reserved(device) / _MB,
             "accum/memory_peak_mb": torch.cuda.max_memory_allocated(device) / _MB,
         }
-        torch.cuda.reset_peak_memory_stats(device)
-        return metrics
     return {"accum/memory_rss_mb": resident_bytes() / _MB}
 
 

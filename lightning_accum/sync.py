@@ -127,9 +127,21 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
 def _fsdp2_param_groups(module: nn.Module | None) -> list[Any]:
     groups = []
     for sub in fsdp2_modules(module):
-        state = sub._get_fsdp_state()  # type: ignore[operator]
-        groups += list(getattr(state, "_fsdp_param_groups", []))
+        groups += param_groups_of(sub._get_fsdp_state())  # type: ignore[operator]
     return groups
+
+
+def param_groups_of(state: Any) -> list[Any]:
+    """An FSDP2 unit's parameter groups: its ``_fsdp_param_groups``, or on older torch its one ``_fsdp_param_group``.
+
+    torch's list of groups per unit is recent; releases before it hold a single group (or ``None``) under the
+    singular name. Without this fallback every FSDP2 check here would find no group and silently do nothing.
+    """
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        return [] if group is None else [group]
+    return list(groups)
 
 
 def fsdp2_pending_gradients(module: nn.Module | None) -> bool:
@@ -300,7 +312,7 @@ class FSDP2CollectiveGuard:
         self._group_names: list[str] = []
         self._wrapped: list[tuple[Any, Any, Any]] = []  # (param group, all-gather comm, reduce-scatter comm)
         for unit, name in zip(units, self._module_names, strict=True):
-            groups = list(getattr(unit._get_fsdp_state(), "_fsdp_param_groups", []))  # type: ignore[operator]
+            groups = param_groups_of(unit._get_fsdp_state())  # type: ignore[operator]
             for group in groups:
                 index = len(self._group_names)
                 self._group_names.append(name if len(groups) == 1 else f"{name} (param group {index})")

@@ -266,3 +266,23 @@ def test_batch_norm_layers_warn_once_when_windows_hold_several_micro_batches(cap
     assert len(batch_norm) == int(warned)
     if warned:
         assert batch_norm[0].startswith("AccumulationScheduler: the model's BatchNorm layers (`norm`) normalize")
+
+
+def test_the_cuda_memory_metrics_read_the_peak_and_never_reset_it(monkeypatch):
+    # CUDA cannot run here: torch.cuda's four readers are replaced; what matters is that the user's peak statistic,
+    # which examples/accumulation_experiment.py and the GPU suite measure a fit with, is never reset by the callback
+    # (benchmarks/gpu/memory_metrics.py checks the same against a real device)
+    from lightning_accum.monitor import memory_metrics
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**20)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 8 * 2**20)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5 * 2**20)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(device))
+    metrics = memory_metrics(torch.device("cuda", 0))
+    assert metrics == {
+        "accum/memory_allocated_mb": 3.0,
+        "accum/memory_reserved_mb": 8.0,
+        "accum/memory_peak_mb": 5.0,
+    }
+    assert calls == []

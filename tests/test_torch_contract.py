@@ -142,3 +142,18 @@ def test_flatten_dense_tensors_concatenates_any_shapes_and_layouts_into_one_new_
     assert flat.tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0, 7.0, 1.0, 1.0, 1.0, 1.0]
     flat.zero_()
     assert tensors[1].item() == 7.0  # a copy: the gradients are untouched
+
+
+def test_each_fsdp2_unit_yields_its_param_groups_on_this_torch_and_on_older_ones(one_rank_mesh):
+    from types import SimpleNamespace
+
+    from lightning_accum.sync import param_groups_of
+
+    net = _sharded(one_rank_mesh)
+    states = [m._get_fsdp_state() for m in net.modules() if hasattr(m, "_get_fsdp_state")]
+    found = [group for state in states for group in param_groups_of(state)]
+    assert len(found) == 2  # the two units with parameters: every check that walks the groups sees them
+    assert all(type(group).__name__ == "FSDPParamGroup" for group in found)
+    # torch releases before the list of groups per unit hold one group, or None, under the singular name
+    assert param_groups_of(SimpleNamespace(_fsdp_param_group=found[0])) == [found[0]]
+    assert param_groups_of(SimpleNamespace(_fsdp_param_group=None)) == []
