@@ -40,10 +40,10 @@ from typing import Any, Protocol
 
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_accum._ranks import any_rank, smallest
-from lightning_accum.split import batch_rows, is_out_of_memory, split_batch
+from lightning_accum.split import batch_rows, is_out_of_memory, split_batch, split_problem
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import skip_gradient_sync
 from lightning_accum.window import Window
@@ -92,6 +92,7 @@ class MicroBatcher:
         self._parts: Callable[[], int] = _whole
         self.changes: list[tuple[int, int]] = []  # (old size, new size), for the summary
         self.anchored = False  # the backward Lightning runs now is the anchor's: no micro-batch's
+        self._inspected = False  # whether this fit's first loader batch was checked (:meth:`inspect`)
         # the loader batch's mean loss and its items; None for a batch handed on whole
         self._report: tuple[torch.Tensor | None, Any] | None = (None, None)
 
@@ -109,7 +110,52 @@ class MicroBatcher:
             self.size = None
         self._trainer, self._module, self._original = trainer, module, module.training_step
         self._owner, self._window, self._parts = owner, window, parts or _whole
+        self._inspected = False
         module.training_step = self._training_step
+
+    def inspect(self, batch: Any, halves: bool) -> None:
+        """Check the fit's first loader batch, before its window opens: say now what splitting it could not do.
+
+        ``halves``: the noise scale will measure windows of one loader batch in two halves (``adaptive=True`` from
+        factor 1 on one process). A batch the splitter cannot cut (:func:`~lightning_accum.split.split_problem`) is
+        refused where every batch, or the measured ones, must be cut (a fixed size, the halves), before any weight
+        changes; under ``"auto"``, which cuts only after an out-of-memory error, it is warned about once.
+
+        Raises:
+            ValueError: If ``batch`` cannot be split while a fixed ``micro_batch_size`` or the halves need it, naming
+                the argument, the batch's type and why.
+        """
+        if self._inspected or not self.installed:
+            return
+        self._inspected = True
+        rows = batch_rows(batch)
+        fixed = not self.auto and self.size is not None and (rows is None or rows > self.size)
+        if not (fixed or halves or self.auto):
+            return
+        problem = split_problem(batch)
+        if problem is None:
+            return
+        kind = type(batch).__name__
+        remedy = (
+            f"teach the splitter the batch with `lightning_accum.split.register_splitter({kind}, fn)` (see"
+            " docs/microbatching.md)"
+        )
+        if fixed:
+            raise ValueError(
+                f"micro_batch_size={self.size}: a loader batch of type {kind} cannot be split into micro-batches:"
+                f" {problem}. Either {remedy}, or give the loader batch_size={self.size} and no micro_batch_size"
+            )
+        if halves:
+            raise ValueError(
+                f"adaptive=True measures a window of one loader batch (factor 1, one process) in two halves, but a"
+                f" loader batch of type {kind} cannot be split: {problem}. Either {remedy}, or start the schedule at"
+                " factor 2 (scheduling={0: 2}), where a window has two micro-batches to compare"
+            )
+        rank_zero_warn(
+            f"AccumulationScheduler: micro_batch_size='auto', but a loader batch of type {kind} cannot be split"
+            f" into micro-batches: {problem}. An out-of-memory error will end the run instead of halving the"
+            f" micro-batch: {remedy}"
+        )
 
     @property
     def installed(self) -> bool:
@@ -124,6 +170,10 @@ class MicroBatcher:
         A window of loader batches it hands on whole is zeroed by Lightning, as always.
         """
         return self.installed and (self.size is not None or self.auto or self._parts() > 1)
+
+    def metrics(self) -> dict[str, float]:
+        """``accum/micro_batch_size`` while this fit splits by a size (none for the noise scale's halves alone)."""
+        return {"accum/micro_batch_size": float(self.size)} if self.installed and self.size is not None else {}
 
     def report(self) -> tuple[torch.Tensor | None, Any] | None:
         """The loader batch's mean loss and its items, after its ``training_step``; ``None`` when it was not split."""
@@ -142,6 +192,7 @@ class MicroBatcher:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # one fit's, one process's:
         state.update(_module=None, _original=None, _trainer=None, _owner=None, _window=None, _report=(None, None))
+        state["_inspected"] = False
         state["_parts"] = _whole
         return state
 

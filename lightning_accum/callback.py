@@ -133,7 +133,7 @@ class AccumulationScheduler(Callback):
         # The one place features are registered, each with its switch (arguments checked, on or off), in the order
         # events reach them: each publishes what the ones after it read; metrics logs what all of them added.
         registry: list[tuple[Feature, bool]] = [
-            (TokenCount(token_key, ignore_index, count_items if normalize_by == "token" else None), unit == "token"),
+            (TokenCount(token_key, ignore_index, count_items, normalize_by), unit == "token"),
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
             (WideAccumulation(*_accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (NoiseScale(noise_scale_decay, noise_scale_interval, adaptive), check_bool("noise_scale", noise_scale)),
@@ -208,7 +208,7 @@ class AccumulationScheduler(Callback):
         if split:
             check_splitting(trainer, batcher.auto, weighs_items="item_weighting" in self._features)
             batcher.install(trainer, pl_module, owner=self, window=ctx.window, parts=lambda: ctx.noise_parts)
-        ctx.splitting = split
+        ctx.splitting = split and not batcher.auto  # "auto" splits only after an out-of-memory error
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         ctx.planned_steps, ctx.planned_samples = plan(trainer, self._spec, ctx.micro_batch_size)
         restore_loader_states(trainer)  # the states a checkpoint holds, if sizing a schedule set up the loader early
@@ -250,6 +250,7 @@ class AccumulationScheduler(Callback):
         # the loop's own index: the hook's argument lags by one with `training_step(self, dataloader_iter)`
         ctx.batch_idx = trainer.fit_loop.epoch_loop.batch_idx
         self._resume.in_step = True
+        self._batcher.inspect(batch, halves=ctx.noise_parts > 1)  # the fit's first batch, before a weight changes
         if ctx.window.closed:
             self._resume.window_opened(trainer)
             self._open_window(trainer)
@@ -311,7 +312,7 @@ class AccumulationScheduler(Callback):
             ctx.loss = _window_share(outputs, ctx)
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         if ctx.window.closed:
-            ctx.metrics = {"accum/micro_batch_size": float(self._batcher.size or 0)} if ctx.splitting else {}
+            ctx.metrics = self._batcher.metrics()
             self._features.dispatch(Event.WINDOW_CLOSED, ctx)
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
@@ -360,9 +361,7 @@ class AccumulationScheduler(Callback):
         return self._resume.state(self._current_state(), window_open=not self._ctx.window.closed)
 
     @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self._resume.rewind(checkpoint, window_open=not self._ctx.window.closed)
         self._features.on_save_checkpoint(checkpoint)
 

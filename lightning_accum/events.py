@@ -190,8 +190,9 @@ class Context:
         is_global_zero: Whether this is rank zero.
         micro_batch_size: Samples per micro-batch on one rank, the same on every rank (all-gathered and checked at
             ``FIT_START``), or ``None`` when unknown.
-        splitting: Whether each loader batch is split into micro-batches (``micro_batch_size`` below the loader's):
-            then a window of one loader batch still runs several backwards. Set at ``FIT_START``.
+        splitting: Whether each loader batch is split into micro-batches (a fixed ``micro_batch_size`` below the
+            loader's): then a window of one loader batch still runs several backwards. ``"auto"`` is not splitting
+            here: it cuts a batch only after an out-of-memory error. Set at ``FIT_START``.
         can_split: Whether a loader batch can be split into parts at all (``training_step`` takes the batch, not
             ``dataloader_iter``). Set at ``SETUP``.
         reduce: ``reduce(tensor, "sum" | "mean")`` over ranks (the strategy's).

@@ -15,6 +15,8 @@ from typing import Any, Literal, cast
 
 import torch
 
+from lightning_accum.split import batch_rows
+
 NormalizeBy = Literal["micro_batch", "sample", "token"]
 NORMALIZE_BY: tuple[NormalizeBy, ...] = ("micro_batch", "sample", "token")
 
@@ -47,15 +49,20 @@ def count_samples(batch: Any) -> int:
         3
     """
     tensor = _first_tensor(batch)
-    if tensor is None:
+    if tensor is not None:
+        return int(tensor.shape[0])
+    rows = batch_rows(batch)  # a batch type taught to the splitter, a dataclass
+    if rows is None:
         raise ValueError(
             f"normalize_by='sample' could not find a tensor with a batch dimension in a batch of type"
             f" {type(batch).__name__}: pass `count_items` to AccumulationScheduler"
         )
-    return int(tensor.shape[0])
+    return rows
 
 
-def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100, shift: bool = False) -> torch.Tensor:
+def count_tokens(
+    batch: Any, key: str | int = "labels", ignore_index: int = -100, shift: bool = False, purpose: str = "token"
+) -> torch.Tensor:
     """The loss-bearing tokens of a batch: entries of ``batch[key]`` that are not ``ignore_index``.
 
     Args:
@@ -65,6 +72,8 @@ def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100
         shift: The model shifts the labels inside (a causal LM predicts token t + 1 at t): each sequence's first
             label bears no loss, so only ``labels[..., 1:]`` are counted; a batch's ``shift_labels``, which such a
             model takes as given, are counted instead.
+        purpose: What counts: ``"token"`` (``normalize_by="token"``) or ``"schedule"`` (``unit="token"``), for the
+            message of a batch without labels.
 
     Raises:
         KeyError: If ``batch`` has no entry ``key``.
@@ -75,16 +84,22 @@ def count_tokens(batch: Any, key: str | int = "labels", ignore_index: int = -100
         >>> count_tokens({"labels": torch.tensor([[5, 6, -100], [7, -100, -100]])})
         tensor(3)
     """
+    argument = "unit='token'" if purpose == "schedule" else "normalize_by='token'"
     try:
         labels = batch[key]
     except (KeyError, IndexError, TypeError) as error:
         kind = type(batch).__name__
+        own_count = (
+            "pass `count_items` (with normalize_by='token': the schedule then counts what the weighting counts)"
+            if purpose == "schedule"
+            else "pass `count_items`"
+        )
         raise KeyError(
-            f"normalize_by='token' reads the labels at `token_key={key!r}`, but the batch ({kind}) has no such entry:"
-            " set `token_key` to the labels' key or position, or pass `count_items`"
+            f"{argument} reads the labels at `token_key={key!r}`, but the batch ({kind}) has no such entry: set"
+            f" `token_key` to the labels' key or position, or, to count tokens another way, {own_count}"
         ) from error
     if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"normalize_by='token' expects a tensor at `token_key={key!r}`, got {type(labels).__name__}")
+        raise TypeError(f"{argument} expects a tensor at `token_key={key!r}`, got {type(labels).__name__}")
     if shift and isinstance(batch, Mapping) and isinstance(batch.get("shift_labels"), torch.Tensor):
         return (batch["shift_labels"] != ignore_index).sum()  # shifted already: the model takes them as given
     return ((labels[..., 1:] if shift else labels) != ignore_index).sum()
@@ -96,15 +111,20 @@ def make_counter(
     ignore_index: int = -100,
     count_items: Callable[[Any], Any] | None = None,
     shift: bool = False,
+    purpose: str = "token",
 ) -> Callable[[Any], torch.Tensor | int] | None:
-    """The function that weighs a micro-batch under ``normalize_by`` (``None`` for ``"micro_batch"``)."""
+    """The function that weighs a micro-batch under ``normalize_by`` (``None`` for ``"micro_batch"``).
+
+    ``purpose``: see :func:`count_tokens`.
+    """
     if normalize_by == "micro_batch":
         return None
     if count_items is not None:
         return count_items
     if normalize_by == "sample":
         return count_samples
-    return functools.partial(count_tokens, key=token_key, ignore_index=ignore_index, shift=shift)  # picklable
+    # a partial, not a closure: picklable
+    return functools.partial(count_tokens, key=token_key, ignore_index=ignore_index, shift=shift, purpose=purpose)
 
 
 def token_head(module: Any) -> tuple[str, bool] | None:
@@ -150,8 +170,12 @@ def token_head(module: Any) -> tuple[str, bool] | None:
     return name, found[name]
 
 
-def token_counter(module: Any, token_key: str | int, ignore_index: int) -> tuple[Callable[[Any], Any], str | None]:
+def token_counter(
+    module: Any, token_key: str | int, ignore_index: int, purpose: str = "token"
+) -> tuple[Callable[[Any], Any], str | None]:
     """The token counter for ``module``'s loss, and the summary phrase that says how it counts (``None``: as given).
+
+    ``purpose``: see :func:`count_tokens`.
 
     Example::
 
@@ -160,15 +184,70 @@ def token_counter(module: Any, token_key: str | int, ignore_index: int) -> tuple
         (tensor(2), None)
     """
     head = token_head(module)
-    if head is None:
-        counter = make_counter("token", token_key, ignore_index)
-        assert counter is not None
-        return counter, None
-    name, shifts = head
-    counter = make_counter("token", token_key, ignore_index, shift=shifts)
+    shifts = head is not None and head[1]
+    counter = make_counter("token", token_key, ignore_index, shift=shifts, purpose=purpose)
     assert counter is not None
+    if head is None:
+        return counter, None
     labels = f"{token_key}[..., 1:]" if shifts else str(token_key)
-    return counter, f"tokens counted as {name} weighs them ({labels} != {ignore_index})"
+    return counter, f"tokens counted as {head[0]} weighs them ({labels} != {ignore_index})"
+
+
+def label_warning(module: Any, batch: Any, token_key: str | int, ignore_index: int, purpose: str) -> str | None:
+    """What a run's first batch says the token count may miss, as a warning (``None``: nothing).
+
+    - labels that equal ``input_ids`` wherever they bear loss, with no Hugging Face causal LM in ``module`` to say
+      that they are shifted inside (the count takes them as given: one token per sequence too many if a model of
+      the user's own shifts them);
+    - labels that are ``input_ids`` shifted by one already, beside a Hugging Face causal LM that shifts them again
+      (the count follows the head: one token per sequence too few if ``training_step`` computes the loss on them
+      itself, without the second shift).
+
+    ``purpose``: ``"token"`` or ``"schedule"``, as in :func:`count_tokens`.
+    """
+    head = token_head(module)
+    argument = "unit='token'" if purpose == "schedule" else "normalize_by='token'"
+    with_weighting = " (with normalize_by='token')" if purpose == "schedule" else ""
+    if head is None and labels_repeat_inputs(batch, token_key, ignore_index):
+        return (
+            f"AccumulationScheduler({argument}): the labels equal `input_ids` wherever they bear loss, as for a causal"
+            " LM that shifts them inside, but no Hugging Face causal LM was found in the module: if the model"
+            " predicts token t + 1 at t, each sequence's first label bears no loss and the count is off by one per"
+            f" sequence. Pass count_items=lambda batch: (batch[{token_key!r}][..., 1:] != {ignore_index}).sum()"
+            f"{with_weighting} to count what such a model weighs"
+        )
+    if head is not None and head[1] and labels_shifted_already(batch, token_key, ignore_index):
+        return (
+            f"AccumulationScheduler({argument}): the labels are `input_ids` shifted by one already (labels[t] =="
+            f" input_ids[t + 1] wherever they bear loss), and {head[0]} shifts its labels again inside: tokens are"
+            f" counted as that model weighs them ({token_key}[..., 1:] != {ignore_index}). If training_step computes"
+            " the loss on these labels itself, without a second shift, each sequence's first label bears loss too and"
+            f" the count is one token per sequence short: pass count_items=lambda batch: (batch[{token_key!r}] !="
+            f" {ignore_index}).sum(){with_weighting}. If it hands them to the model, the model learns to predict two"
+            " tokens ahead: pass the unshifted labels"
+        )
+    return None
+
+
+def labels_shifted_already(batch: Any, key: str | int, ignore_index: int) -> bool:
+    """Whether ``batch[key][..., t]`` equals ``batch["input_ids"][..., t + 1]`` wherever it bears loss (and ever does).
+
+    Example::
+
+        >>> ids = torch.tensor([[5, 6, 7]])
+        >>> labels_shifted_already({"input_ids": ids, "labels": torch.tensor([[6, 7, -100]])}, "labels", -100)
+        True
+    """
+    if not isinstance(batch, Mapping):
+        return False
+    labels, inputs = batch.get(key), batch.get("input_ids")
+    if not isinstance(labels, torch.Tensor) or not isinstance(inputs, torch.Tensor) or labels.shape != inputs.shape:
+        return False
+    head, following = labels[..., :-1], inputs[..., 1:]
+    bearing = head != ignore_index
+    if not bool(bearing.any()) or not torch.equal(head[bearing], following[bearing]):
+        return False
+    return not labels_repeat_inputs(batch, key, ignore_index)  # a run of one token reads both ways: say nothing
 
 
 def labels_repeat_inputs(batch: Any, key: str | int, ignore_index: int) -> bool:

@@ -17,21 +17,33 @@ from typing import Any
 import torch
 
 _SPLITTERS: dict[type, Callable[[Any, int], list[Any]]] = {}
+_ROWS: dict[type, Callable[[Any], int]] = {}
 
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to allocate")
 
 
-def register_splitter(kind: type, splitter: Callable[[Any, int], list[Any]]) -> None:
+def register_splitter(kind: type, splitter: Callable[[Any, int], list[Any]], rows: Callable[[Any], int] = len) -> None:
     """Teach :func:`split_batch` a batch type: ``splitter(batch, size)`` returns its micro-batches of ``size`` rows.
+
+    Args:
+        kind: The batch's type (exactly: a subclass needs its own registration).
+        splitter: ``splitter(batch, size)``: the batch's micro-batches of ``size`` rows each, the last holding what
+            is left.
+        rows: ``rows(batch)``: how many rows (samples) the batch holds; ``len`` by default.
 
     Example::
 
-        class Packed:  # a batch the splitter does not know
-            def __init__(self, tokens, lengths): ...
+        class Pair:  # a batch the splitter cannot look inside: a collate_fn's own object
+            def __init__(self, x, y):
+                self.x, self.y = x, y
 
-        register_splitter(Packed, lambda batch, size: [Packed(t, l) for t, l in zip(...)])
+        def cut(batch, size):
+            return [Pair(batch.x[i : i + size], batch.y[i : i + size]) for i in range(0, len(batch.x), size)]
+
+        register_splitter(Pair, cut, rows=lambda batch: len(batch.x))
     """
     _SPLITTERS[kind] = splitter
+    _ROWS[kind] = rows
 
 
 def batch_rows(batch: Any) -> int | None:
@@ -44,6 +56,8 @@ def batch_rows(batch: Any) -> int | None:
     """
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else None
+    if type(batch) in _ROWS:
+        return int(_ROWS[type(batch)](batch))
     for value in _values(batch):
         rows = batch_rows(value)
         if rows is not None:
@@ -77,6 +91,57 @@ def split_batch(batch: Any, size: int) -> list[Any]:
             " `lightning_accum.split.register_splitter(type, fn)`, or give the loader the micro-batch size"
         )
     return [_slice(batch, start, min(start + size, rows), rows) for start in range(0, rows, size)]
+
+
+def split_problem(batch: Any) -> str | None:
+    """Why ``batch`` cannot be split into micro-batches by :func:`split_batch`, or ``None`` if it can.
+
+    Checked on a loader batch before any step, so that what would fail (or silently train whole batches) at the first
+    split is said at once.
+
+    Example::
+
+        >>> split_problem((torch.zeros(8, 2), torch.zeros(8))) is None
+        True
+        >>> split_problem((torch.zeros(8, 2), torch.zeros(8), torch.ones(3)))[:52]
+        'its tensor at [2] has 3 rows, not the 8 of its first'
+    """
+    if type(batch) in _SPLITTERS:
+        return None
+    rows = batch_rows(batch)
+    if rows is None:
+        kind = type(batch).__name__
+        return (
+            f"the splitter finds no tensor with a batch dimension in a {kind} (it looks inside tuples, lists, dicts,"
+            " namedtuples and dataclasses)"
+        )
+    mismatch = _first_mismatch(batch, rows, "")
+    if mismatch is None:
+        return None
+    where, found = mismatch
+    return (
+        f"its tensor at {where or 'the top'} has {found} rows, not the {rows} of its first tensor (a tensor shared by"
+        " every sample belongs in the module, as a buffer)"
+    )
+
+
+def _first_mismatch(batch: Any, rows: int, where: str) -> tuple[str, int] | None:
+    """Where in ``batch`` the first tensor whose first dimension is not ``rows`` sits, and that dimension."""
+    if isinstance(batch, torch.Tensor):
+        return (where, int(batch.shape[0])) if batch.dim() > 0 and batch.shape[0] != rows else None
+    if isinstance(batch, Mapping):
+        children: Iterable[tuple[str, Any]] = ((f"{where}[{key!r}]", value) for key, value in batch.items())
+    elif isinstance(batch, (list, tuple)):
+        children = ((f"{where}[{index}]", value) for index, value in enumerate(batch))
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        children = ((f"{where}.{f.name}", getattr(batch, f.name)) for f in dataclasses.fields(batch))
+    else:
+        return None
+    for path, value in children:
+        found = _first_mismatch(value, rows, path)
+        if found is not None:
+            return found
+    return None
 
 
 def _slice(batch: Any, start: int, stop: int, rows: int) -> Any:

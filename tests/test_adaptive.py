@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -251,3 +252,32 @@ def test_a_scale_past_the_bound_is_warned_once_and_capped_when_asked():
     with pytest.warns(UserWarning, match=r"scales the learning rate by 8 .* past 2: it stays at lr_scale_max=2"):
         trainer([capped], max_steps=6).fit(RegressionModule(), loader)
     assert capped.features["lr_scaling"]._scale == 2.0  # type: ignore[attr-defined]
+
+
+def test_with_micro_batch_size_auto_the_factor_grows_and_the_steps_are_plain_pytorchs():
+    """ "auto" splits a loader batch only after an out-of-memory error, so with no error a window of one loader batch
+    has one gradient: adaptive growth must still measure it in halves (before, the factor stayed at 1 for the whole
+    run, in silence). The windows it chose are replayed in plain PyTorch: one SGD step on each window's mean loss."""
+    x, y = make_data(1024, seed=5)
+    steps_at: list[int] = []
+
+    class Windows(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.global_step > len(steps_at):
+                steps_at.append(batch_idx + 1)  # the loader batches taken when this step ran
+
+    module = RegressionModule(lr=0.05)
+    callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True, micro_batch_size="auto")
+    trainer([callback, Windows()], max_epochs=1).fit(module, DataLoader(TensorDataset(x, y), batch_size=8))
+    assert callback.features["adaptive"].factor > 1  # type: ignore[attr-defined]
+    net = make_net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    starts = [0, *steps_at[:-1]]
+    for start, end in zip(starts, steps_at, strict=True):
+        optimizer.zero_grad()
+        rows = slice(8 * start, 8 * end)  # equal batches of 8: the mean of their means is the mean over their rows
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        optimizer.step()
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(module.net.parameters(), net.parameters(), strict=True)) <= 1e-6
+    )

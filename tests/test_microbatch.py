@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.split import batch_rows, is_out_of_memory, split_batch
@@ -402,3 +402,92 @@ def test_the_callback_with_micro_batching_pickles():
         x, y = make_data(32)
         trainer([callback], max_epochs=1).fit(RegressionModule(), loader(x, y, 16))
         assert pickle.loads(pickle.dumps(callback)).state_dict() == callback.state_dict()
+
+
+# ------------------------------------------------------------------ batches the splitter cannot cut: said at once
+
+
+class Pair:
+    """A batch of a user's own class (a collate_fn that returns an object): the splitter cannot look inside it."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+
+class PairModule(RegressionModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, Pair):
+            return nn.functional.mse_loss(self.net(batch.x), batch.y)
+        x, y, class_weights = batch  # class weights: one per class, shared by every row
+        return (class_weights.mean() * nn.functional.mse_loss(self.net(x), y, reduction="none")).mean()
+
+
+def _pairs(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+    def collate(rows: list) -> Pair:
+        return Pair(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
+
+    return DataLoader(list(zip(x, y, strict=True)), batch_size=8, collate_fn=collate)
+
+
+def _with_class_weights(x: torch.Tensor, y: torch.Tensor) -> DataLoader:
+    def collate(rows: list) -> tuple:
+        return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]), torch.tensor([1.0, 2.0, 3.0])
+
+    return DataLoader(list(zip(x, y, strict=True)), batch_size=8, collate_fn=collate)
+
+
+@pytest.mark.parametrize(
+    ("batches", "options", "match"),
+    [
+        # stock Lightning trains these whole; before this check, a fixed size trained whole batches of 8 in silence, and
+        # adaptive growth never measured a window (a Pair) or raised at its first measured window, after 9 steps
+        (_pairs, {"micro_batch_size": 4}, r"micro_batch_size=4: a loader batch of type Pair cannot be split.*register"),
+        (_pairs, {"noise_scale": True, "adaptive": True}, r"adaptive=True measures .* type Pair cannot be split"),
+        (
+            _with_class_weights,
+            {"noise_scale": True, "adaptive": True},
+            r"adaptive=True .* type tuple cannot be split: its tensor at \[2\] has 3 rows, not the 8 .* buffer",
+        ),
+        (_with_class_weights, {"micro_batch_size": 4}, r"micro_batch_size=4: .* at \[2\] has 3 rows"),
+    ],
+)
+def test_a_batch_the_splitter_cannot_cut_is_refused_at_the_first_batch_before_any_step(batches, options, match):
+    x, y = make_data(64)
+    module = PairModule()
+    before = [p.detach().clone() for p in module.parameters()]
+    fit = trainer([AccumulationScheduler(**options)], max_epochs=1)
+    with pytest.raises(ValueError, match=match):
+        fit.fit(module, batches(x, y))
+    assert fit.global_step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_auto_warns_once_of_a_batch_it_could_not_cut_and_trains_as_stock():
+    x, y = make_data(64)
+    module, plain = PairModule(), PairModule()
+    with pytest.warns(UserWarning, match=r"micro_batch_size='auto', but a loader batch of type Pair cannot be split"):
+        trainer([AccumulationScheduler({0: 2}, micro_batch_size="auto")], max_epochs=1).fit(module, _pairs(x, y))
+    trainer(max_epochs=1, accumulate_grad_batches=2).fit(plain, _pairs(x, y))  # 8 full windows: stock is exact
+    assert max_deviation(weights(module), weights(plain)) <= TOLERANCE
+
+
+def test_a_registered_splitter_lets_adaptive_growth_measure_a_users_batch_class():
+    from lightning_accum.split import _ROWS, _SPLITTERS, register_splitter
+
+    def cut(batch: Pair, size: int) -> list[Pair]:
+        return [Pair(batch.x[i : i + size], batch.y[i : i + size]) for i in range(0, len(batch.x), size)]
+
+    register_splitter(Pair, cut, rows=lambda batch: len(batch.x))
+    try:
+        x, y = make_data(256)
+        estimates = []
+        runs = ((PairModule, _pairs(x, y)), (RegressionModule, DataLoader(TensorDataset(x, y), batch_size=8)))
+        for module, batches in runs:  # the user's class, and a tuple of tensors
+            callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True)
+            trainer([callback], max_epochs=1).fit(module(lr=0.0), batches)
+            estimates.append(callback.features["noise_scale"].estimate)  # type: ignore[attr-defined]
+        assert estimates[0].measurements > 3
+        # the halves and their sample counts are the same as the built-in splitter's for a tuple of tensors
+        assert estimates[0].noise_scale == pytest.approx(estimates[1].noise_scale, rel=1e-6)
+    finally:
+        del _SPLITTERS[Pair], _ROWS[Pair]

@@ -287,3 +287,18 @@ def test_tokens_are_counted_with_count_items_when_normalizing_by_token():
     callback = AccumulationScheduler({0: 1, 10: 2}, unit="token", normalize_by="token", count_items=lambda b: 5)
     trainer([callback], max_epochs=1).fit(TokenModule(), DataLoader(DictDataset(data), batch_size=4))
     assert callback.features["token_count"].tokens_seen == 5 * 6
+
+
+def test_a_token_schedule_over_batches_without_labels_names_unit_token_not_the_weighting():
+    # before, the message named normalize_by='token' (which this run does not set) and offered count_items, which a
+    # token schedule uses only together with normalize_by='token'
+    x, y = make_data(32)
+    module = RegressionModule()
+    before = [p.detach().clone() for p in module.parameters()]
+    callback = AccumulationScheduler({0: 2}, unit="token")
+    with pytest.raises(KeyError, match=r"unit='token' reads the labels at `token_key='labels'`") as raised:
+        trainer([callback], max_epochs=1).fit(module, loader(x, y, 4))
+    message = str(raised.value)
+    assert "normalize_by='token' reads" not in message
+    assert "pass `count_items` (with normalize_by='token'" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

@@ -25,7 +25,7 @@ from lightning_accum.items import (
     check_count,
     check_normalize_by,
     invalid_counts,
-    labels_repeat_inputs,
+    label_warning,
     make_counter,
     token_counter,
 )
@@ -103,7 +103,7 @@ class ItemWeighting(Feature):
         self._count, phrase = token_counter(ctx.module, *self._rule)  # a Hugging Face model: the tokens it weighs
         if phrase is not None and phrase not in ctx.summary:
             ctx.summary.append(phrase)
-        self._check_labels = phrase is None
+        self._check_labels = True
 
     @override
     def window_opened(self, ctx: Context) -> None:
@@ -115,17 +115,11 @@ class ItemWeighting(Feature):
     @override
     def micro_batch_started(self, ctx: Context) -> None:
         assert self._count is not None, "the callback leaves normalize_by='micro_batch' out"
-        if self._check_labels and self._rule is not None:
+        if self._check_labels and self._rule is not None:  # the fit's first micro-batch
             self._check_labels = False
-            if labels_repeat_inputs(ctx.batch, *self._rule):
-                key, ignore_index = self._rule
-                rank_zero_warn(
-                    f"AccumulationScheduler(normalize_by='token'): the labels equal `input_ids` wherever they bear"
-                    f" loss, as for a causal LM that shifts them inside, but no Hugging Face causal LM was found in"
-                    f" the module: if the model predicts token t + 1 at t, each sequence's first label bears no loss"
-                    f" and the count is off by one per sequence. Pass count_items=lambda batch:"
-                    f" (batch[{key!r}][..., 1:] != {ignore_index}).sum() to count what such a model weighs"
-                )
+            warning = label_warning(ctx.module, ctx.batch, *self._rule, purpose="token")
+            if warning is not None:
+                rank_zero_warn(warning)
         items = check_count(self._count(ctx.batch), ctx.batch_idx)
         if self._custom and isinstance(items, torch.Tensor):
             # a tensor's value is checked with the window's other counts at its end, without waiting for the device

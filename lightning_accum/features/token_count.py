@@ -14,10 +14,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature, takes_dataloader_iter
-from lightning_accum.items import check_count, make_counter, token_counter
+from lightning_accum.items import check_count, label_warning, make_counter, token_counter
 
 
 class TokenCount(Feature):
@@ -26,7 +27,10 @@ class TokenCount(Feature):
     Args:
         token_key: Where the labels are: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
-        count_items: ``batch -> int or tensor`` counting a micro-batch's tokens instead.
+        count_items: ``batch -> int or tensor`` counting a micro-batch's tokens instead, where the run also weighs by
+            token (``normalize_by="token"``): the schedule counts what the weighting counts.
+        normalize_by: The run's item weighting. Under ``"token"`` the weighting warns of labels its count may
+            misread (:func:`~lightning_accum.items.label_warning`), so this feature does not warn again.
 
     Example::
 
@@ -44,9 +48,15 @@ class TokenCount(Feature):
     name = "token_count"
 
     def __init__(
-        self, token_key: str | int = "labels", ignore_index: int = -100, count_items: Callable[[Any], Any] | None = None
+        self,
+        token_key: str | int = "labels",
+        ignore_index: int = -100,
+        count_items: Callable[[Any], Any] | None = None,
+        normalize_by: str = "micro_batch",
     ) -> None:
-        counter = make_counter("token", token_key, ignore_index, count_items)
+        count_items = count_items if normalize_by == "token" else None
+        self._warns = normalize_by != "token"
+        counter = make_counter("token", token_key, ignore_index, count_items, purpose="schedule")
         assert counter is not None
         self._count = counter
         self._source = "count_items" if count_items is not None else "unit='token'"
@@ -54,6 +64,7 @@ class TokenCount(Feature):
         self.tokens_seen = 0
         self._window: Any = 0  # this rank's tokens in the window so far (a tensor once counted)
         self._window_total = 0
+        self._check_labels = False  # whether the fit's first micro-batch is yet to be checked for shifted labels
 
     @override
     def reset(self) -> None:
@@ -71,9 +82,10 @@ class TokenCount(Feature):
     def fit_start(self, ctx: Context) -> None:
         ctx.tokens_seen = self.tokens_seen
         if self._rule is not None:  # a Hugging Face model in the module: its loss-bearing tokens
-            self._count, phrase = token_counter(ctx.module, *self._rule)
+            self._count, phrase = token_counter(ctx.module, *self._rule, purpose="schedule")
             if phrase is not None and phrase not in ctx.summary:
                 ctx.summary.append(phrase)
+            self._check_labels = self._warns
 
     @override
     def window_opened(self, ctx: Context) -> None:
@@ -81,6 +93,11 @@ class TokenCount(Feature):
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
+        if self._check_labels and self._rule is not None:  # the fit's first micro-batch
+            self._check_labels = False
+            warning = label_warning(ctx.module, ctx.batch, *self._rule, purpose="schedule")
+            if warning is not None:
+                rank_zero_warn(warning)
         self._window = self._window + check_count(self._count(ctx.batch), ctx.batch_idx, self._source)
 
     @override
