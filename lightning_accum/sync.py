@@ -26,7 +26,8 @@ Both read torch-private FSDP2 state (torch 2.4 to 2.13; ``tests/test_torch_contr
 FSDP2 all-gathers and reduce-scatters a unit only on the ranks that run it, so a unit that some ranks skip
 (conditional compute) pairs the ranks' collectives wrongly, whatever the policy. :class:`FSDP2CollectiveGuard` makes
 the ranks agree, on a small gloo group of its own, before each FSDP2 collective, at the end of each forward and
-backward and before each optimizer step, and raises the same error on every rank where they differ.
+backward and before each optimizer step, and raises the same error on every rank where they differ; the strategy
+keeps it for as many windows as :func:`checked_windows` reads from its ``check_collectives`` argument.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from torch import nn
 
 GradientSync = Literal["last", "every", "reduce_scatter"]
 GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every", "reduce_scatter")
+CheckCollectives = bool | int | Literal["always"]
+CHECKED_WINDOWS = 3  # windows of each fit that `check_collectives=True` checks (Composer: 3 clean batches)
 
 
 def check_gradient_sync(value: object) -> GradientSync:
@@ -55,6 +58,32 @@ def check_gradient_sync(value: object) -> GradientSync:
     if value not in GRADIENT_SYNCS:
         raise ValueError(f"`gradient_sync` must be one of {list(GRADIENT_SYNCS)}, got {value!r}")
     return cast(GradientSync, value)
+
+
+def checked_windows(value: object) -> int | None:
+    """How many windows at the start of each fit the ranks agree on every FSDP2 collective; ``None``: all of them.
+
+    ``True``: the first :data:`CHECKED_WINDOWS`; a number n: the first n (``0``, like ``False``: none);
+    ``"always"``: every window.
+
+    Raises:
+        ValueError: If ``value`` is none of these (a negative number, another string, a float).
+
+    Example::
+
+        >>> checked_windows(True), checked_windows(10), checked_windows("always"), checked_windows(False)
+        (3, 10, None, 0)
+    """
+    if isinstance(value, bool):
+        return CHECKED_WINDOWS if value else 0
+    if value == "always":
+        return None
+    if isinstance(value, int) and value >= 0:
+        return value
+    raise ValueError(
+        "`check_collectives` must be True (the first windows of each fit), False, 'always' or a number of windows"
+        f" (an int >= 0), got {value!r}"
+    )
 
 
 def fsdp2_modules(module: nn.Module | None) -> list[nn.Module]:
@@ -291,8 +320,10 @@ class FSDP2CollectiveGuard:
     of the guard's own, what every rank is about to issue (5 integers a rank); it does the same at the end of each
     top-level FSDP2 module's forward, of each backward (:meth:`backward_ended`) and before each optimizer step
     (:meth:`pending_ranks`). Where the ranks differ, every rank raises the same ``RuntimeError`` before the collective
-    that would have paired wrongly. The cost is one such small CPU collective per FSDP2 collective. Construct it on
-    every rank at the same point (it may create its group, a collective).
+    that would have paired wrongly. The cost is one such small CPU collective per FSDP2 collective, as long as the
+    guard is in place: :meth:`remove` gives FSDP2 its own comms back and removes the hooks, after which it costs
+    nothing. Construct it on every rank at the same point (it may create its group, a collective), and remove it on
+    every rank at the same point (between optimizer steps that every rank agreed on).
 
     Args:
         module: The model, with ``fully_shard`` applied to it or to its submodules.

@@ -6,13 +6,15 @@ Before lightning_accum made the ranks agree on each FSDP2 collective, every conf
 skipped the unit ended with gloo aborting a process ("Received data size doesn't match expected size") and no record
 from either rank. Now such a unit raises the same error on every rank, before the mismatched all-gather and before
 the window's optimizer step; a unit that every rank skips together, and either fix the error names, train as one big
-batch in plain PyTorch on one process.
+batch in plain PyTorch on one process. The ranks agree in the first windows of every fit (a resumed one too), then
+the check steps aside and issues no collective at all; ``check_collectives="always"`` keeps it for every window.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,7 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from skipped_unit import (  # noqa: E402
     FACTOR,
+    GUARD_STEPS,
     LR,
     MICRO_BATCH,
     SAMPLES_PER_RANK,
@@ -35,7 +38,7 @@ from skipped_unit import (  # noqa: E402
     make_data,
 )
 
-LIMIT = 240  # seconds for the whole launch: a hang fails the test instead of holding the suite
+LIMIT = 300  # seconds for the whole launch: a hang fails the test instead of holding the suite
 LAUNCHER_VARIABLES = {"LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 ONE_RANK_SKIPS = {1: (WINDOW_LAST, WINDOW_MIDDLE)}
 EVERYONE_SKIPS = {0: (WINDOW_LAST, WINDOW_MIDDLE), 1: (WINDOW_LAST, WINDOW_MIDDLE)}
@@ -66,10 +69,12 @@ def _records(out: Path, name: str) -> list[dict]:
     return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def reference_weights(skips: dict[int, tuple[int, ...]], windows: int) -> dict[str, torch.Tensor]:
+def reference_weights(
+    skips: dict[int, tuple[int, ...]], windows: int, micro_steps: int = SAMPLES_PER_RANK // MICRO_BATCH
+) -> dict[str, torch.Tensor]:
     """Plain PyTorch on one process: one SGD step per window on the mean loss over every micro-batch of the window
-    on both ranks, each with ``cond`` where its rank runs it."""
-    x, y, use = make_data(skips)
+    on both ranks, each with ``cond`` where its rank runs it; epochs of ``micro_steps`` micro-batches per rank."""
+    x, y, use = make_data(skips, micro_steps)
     net = Net()
     optimizer = torch.optim.SGD(net.parameters(), lr=LR)
     for window in range(windows):
@@ -77,7 +82,7 @@ def reference_weights(skips: dict[int, tuple[int, ...]], windows: int) -> dict[s
         losses = []
         for step in range(window * FACTOR, (window + 1) * FACTOR):
             for rank in (0, 1):
-                first = rank * SAMPLES_PER_RANK + step * MICRO_BATCH
+                first = rank * micro_steps * MICRO_BATCH + step % micro_steps * MICRO_BATCH
                 index = slice(first, first + MICRO_BATCH)
                 losses.append(loss_of(net, x[index], y[index], use[index]))
         (sum(losses) / len(losses)).backward()
@@ -158,9 +163,61 @@ def test_under_last_a_unit_without_backward_on_a_micro_step_that_reduces_nothing
     assert deviation(rank0, reference_weights({1: (WINDOW_MIDDLE,)}, windows=2)) <= 1e-5
 
 
-def test_check_collectives_is_a_bool():
+CHECKED = 3  # windows that the default `check_collectives=True` checks in each fit
+
+
+def test_the_check_agrees_in_the_first_windows_of_every_fit_then_issues_no_collective(out):
+    """6 windows, then a resume on the same trainer and strategy for 6 more: windows 0-2 of each fit are checked."""
+    records = _records(out, "guard_default_resume")
+    for record in records:
+        assert "raised" not in record, record["raised"]
+        assert record["optimizer_steps"] == 12
+        assert len(record["guard_all_gathers"]) == 2  # the first fit and the resumed one
+        for fit in record["guard_all_gathers"]:
+            assert len(fit) == GUARD_STEPS
+            assert all(count > 0 for count in fit[: CHECKED * FACTOR])
+            assert fit[CHECKED * FACTOR :] == [0] * (GUARD_STEPS - CHECKED * FACTOR)
+    # stepping aside in the middle of a fit changes nothing in what is trained
+    assert records[0]["weights"] == records[1]["weights"]
+    assert deviation(records[0], reference_weights({}, windows=12, micro_steps=GUARD_STEPS)) <= 1e-5
+
+
+def test_check_collectives_checks_the_windows_it_names(out):
+    (always,), (two,) = (_records(out, name)[0]["guard_all_gathers"] for name in ("guard_always", "guard_two_windows"))
+    assert len(always) == GUARD_STEPS
+    assert all(count > 0 for count in always)  # every micro-step of every window
+    assert two == always[: 2 * FACTOR] + [0] * (GUARD_STEPS - 2 * FACTOR)
+
+
+def test_a_unit_one_rank_skips_in_the_last_checked_window_raises_the_same_error_on_every_rank(out):
+    rank0, rank1 = _records(out, "guard_default_skip_window2")
+    assert rank0.get("raised") == rank1.get("raised")
+    assert rank0["raised"].startswith("FSDP2 units ran differently on the ranks"), rank0["raised"]
+    assert "rank 1: the all-gather of `net.mid`'s parameters for its forward" in rank0["raised"]
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 2  # windows 0 and 1 stepped; window 2 raised
+    assert deviation(rank0, reference_weights({}, windows=2, micro_steps=GUARD_STEPS)) <= 1e-5
+
+
+def test_with_the_check_always_on_a_unit_one_rank_skips_in_a_later_window_raises_on_every_rank(out):
+    rank0, rank1 = _records(out, "guard_always_skip_window4")
+    assert rank0.get("raised") == rank1.get("raised")
+    assert rank0["raised"].startswith("FSDP2 units ran differently on the ranks"), rank0["raised"]
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 4
+    assert deviation(rank0, reference_weights({}, windows=4, micro_steps=GUARD_STEPS)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("value", "windows"), [(True, CHECKED), (False, 0), (0, 0), (1, 1), (50, 50), ("always", None)]
+)
+def test_check_collectives_takes_a_switch_a_number_of_windows_or_always(value, windows):
     from lightning_accum import ModelParallelAccumulationStrategy
 
-    assert ModelParallelAccumulationStrategy(check_collectives=False)._check_collectives is False
-    with pytest.raises(ValueError, match="`check_collectives` must be True or False, got 'yes'"):
-        ModelParallelAccumulationStrategy(check_collectives="yes")  # type: ignore[arg-type]
+    assert ModelParallelAccumulationStrategy(check_collectives=value)._checked_windows == windows
+
+
+@pytest.mark.parametrize("value", ["yes", "never", -1, 2.5, None])
+def test_a_bad_check_collectives_names_the_argument_and_the_value(value):
+    from lightning_accum import ModelParallelAccumulationStrategy
+
+    with pytest.raises(ValueError, match=rf"`check_collectives` must be True .*, got {re.escape(repr(value))}$"):
+        ModelParallelAccumulationStrategy(check_collectives=value)

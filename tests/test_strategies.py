@@ -58,6 +58,23 @@ def test_a_bad_gradient_sync_names_the_argument():
         check_gradient_sync(None)
 
 
+@pytest.mark.parametrize(
+    ("text", "value", "windows"), [("true", True, 3), ("false", False, 0), ("1", 1, 1), ("always", "always", None)]
+)
+def test_lightning_cli_reads_check_collectives_from_yaml(text, value, windows):
+    from lightning.pytorch.cli import LightningArgumentParser
+    from lightning.pytorch.strategies import Strategy
+
+    parser = LightningArgumentParser()
+    parser.add_subclass_arguments(Strategy, "strategy")
+    strategy = "lightning_accum.ModelParallelAccumulationStrategy"
+    config = parser.parse_string(f"strategy: {{class_path: {strategy}, init_args: {{check_collectives: {text}}}}}")
+    given = config.strategy.init_args.check_collectives
+    assert (given, type(given)) == (value, type(value))  # 1 stays a number of windows, not True
+    instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # its name before 4.49
+    assert instantiate(config).strategy._checked_windows == windows
+
+
 def test_the_mixin_refuses_a_strategy_without_data_parallel_communication():
     class SingleDeviceAccumulation(AccumulationStrategyMixin, SingleDeviceStrategy):
         pass

@@ -107,7 +107,9 @@ def test_the_comms_the_guard_wraps_are_fsdp2s_and_are_called_with_its_keywords(o
     assert "self._reduce_scatter_comm," in source
 
     seen = []
+    hooks = [len(module._forward_hooks) for module in net.modules()]
     guard = FSDP2CollectiveGuard(net)
+    assert [len(module._forward_hooks) for module in net.modules()] != hooks
     assert guard.agree(FORWARD_END, 0) == [[FORWARD_END, 0, 0, -1, 0]]  # one rank: the agreement is its own row
     guard.agree = lambda event, *args, **kwargs: seen.append(event) or []  # type: ignore[method-assign]
     try:
@@ -119,7 +121,9 @@ def test_the_comms_the_guard_wraps_are_fsdp2s_and_are_called_with_its_keywords(o
         assert FORWARD_END in seen  # the end of the root's forward
     finally:
         guard.remove()
+    # stepped aside: FSDP2's own comm objects and no hook of the guard's, so that it costs nothing more
     assert [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups] == defaults
+    assert [len(module._forward_hooks) for module in net.modules()] == hooks
 
 
 def test_the_current_graph_task_id_tells_a_backward_apart():

@@ -26,10 +26,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum.sync import (
+    CheckCollectives,
     FSDP2CollectiveGuard,
     GradientSync,
     can_control,
     check_gradient_sync,
+    checked_windows,
     drop_fsdp2_pending_gradients,
     fsdp2_modules,
     fsdp2_pending_gradients,
@@ -60,9 +62,9 @@ class AccumulationStrategyMixin:
     end (every sharded unit must take part in the window's last backward; a step that would miss a deferred sum
     raises, on every rank).
 
-    Under FSDP2 on 2 or more ranks the ranks also agree before each FSDP2 collective (``check_collectives``): a
-    ``fully_shard`` unit that only some ranks run (conditional compute) raises the same error on every rank, before
-    the collective that would hang or crash the run.
+    Under FSDP2 on 2 or more ranks the ranks also agree before each FSDP2 collective in the first windows of every
+    fit (``check_collectives``): a ``fully_shard`` unit that only some ranks run (conditional compute) raises the same
+    error on every rank, before the collective that would hang or crash the run.
 
     Args:
         *args: Passed to the strategy the mixin is combined with.
@@ -74,14 +76,18 @@ class AccumulationStrategyMixin:
         check_collectives: Under FSDP2 on several ranks, make the ranks agree before each FSDP2 collective (one
             small CPU collective each, on a gloo group of the strategy's own), so that a ``fully_shard`` unit that
             only some ranks run raises the same error on every rank instead of hanging or crashing the run (see
-            :class:`~lightning_accum.sync.FSDP2CollectiveGuard`). ``False`` saves those collectives and trusts every
-            rank to run every unit, as stock FSDP2 does. No effect on DDP and FSDP1.
+            :class:`~lightning_accum.sync.FSDP2CollectiveGuard`). ``True``: in the first 3 windows (optimizer steps)
+            of every fit, a resumed one included, then the check steps aside and costs nothing. A number n: the
+            first n windows. ``"always"``: every window, for models whose units run conditionally (a mixture of
+            experts, early exit), where a rare batch may skip a unit on one rank. ``False`` (or 0): never, trusting
+            every rank to run every unit, as stock FSDP2 does. In ``validate``, ``test`` or ``predict`` run on their
+            own (no optimizer steps) the check, unless ``False``, stays on. No effect on DDP and FSDP1.
         **kwargs: Passed to the strategy the mixin is combined with.
 
     Raises:
         TypeError: If the mixin is combined with a strategy that is not a Lightning ``ParallelStrategy``.
-        ValueError: If ``gradient_sync`` is unknown, ``check_collectives`` is not a bool, or the strategy accumulates
-            gradients by itself (DeepSpeed).
+        ValueError: If ``gradient_sync`` is unknown, ``check_collectives`` is none of ``True``, ``False``,
+            ``"always"`` or a number of windows, or the strategy accumulates gradients by itself (DeepSpeed).
 
     Example::
 
@@ -102,20 +108,24 @@ class AccumulationStrategyMixin:
     _sync_blocked: bool  # inside block_backward_sync
     _reduction_skipped: bool  # the latest backward ran with its gradient reduction skipped
     _window_ends: Callable[[], bool] | None
-    _check_collectives: bool
+    _checked_windows: int | None  # windows the guard checks at the start of each fit; None: every window
     _guard: FSDP2CollectiveGuard | None  # FSDP2 on several ranks: the ranks agree before each collective
+    _guard_windows_left: int | None  # in this fit, before the guard steps aside
 
     def __init__(
-        self, *args: Any, gradient_sync: GradientSync = "last", check_collectives: bool = True, **kwargs: Any
+        self,
+        *args: Any,
+        gradient_sync: GradientSync = "last",
+        check_collectives: CheckCollectives = True,
+        **kwargs: Any,
     ) -> None:
         self._gradient_sync = check_gradient_sync(gradient_sync)
-        if not isinstance(check_collectives, bool):
-            raise ValueError(f"`check_collectives` must be True or False, got {check_collectives!r}")
-        self._check_collectives = check_collectives
+        self._checked_windows = checked_windows(check_collectives)
         self._sync_blocked = False
         self._reduction_skipped = False
         self._window_ends = None
         self._guard = None
+        self._guard_windows_left = None
         super().__init__(*args, **kwargs)
         if not isinstance(self, ParallelStrategy):
             raise TypeError(
@@ -200,15 +210,16 @@ class AccumulationStrategyMixin:
     def setup(self, trainer: pl.Trainer) -> None:
         """Set up the parent strategy, then warn if there is no gradient communication to control.
 
-        Under FSDP2 on several ranks, also make the ranks agree before each FSDP2 collective (see
-        :class:`~lightning_accum.sync.FSDP2CollectiveGuard`): a unit that only some ranks run raises on every rank
-        instead of hanging or crashing the run.
+        Under FSDP2 on several ranks, also make the ranks agree before each FSDP2 collective for the first windows
+        of this fit (see :class:`~lightning_accum.sync.FSDP2CollectiveGuard`): a unit that only some ranks run
+        raises on every rank instead of hanging or crashing the run.
         """
         super().setup(trainer)  # type: ignore[misc]
         strategy: Any = self
         self._remove_guard()
-        if self._check_collectives and trainer.world_size > 1 and fsdp2_modules(strategy.model):
+        if self._checked_windows != 0 and trainer.world_size > 1 and fsdp2_modules(strategy.model):
             self._guard = FSDP2CollectiveGuard(strategy.model)
+            self._guard_windows_left = self._checked_windows
         fitting = trainer.state.fn == TrainerFn.FITTING  # Lightning wraps the model in DDP only to fit
         if fitting and trainer.world_size > 1 and not can_control(strategy.model):
             rank_zero_warn(
@@ -225,6 +236,14 @@ class AccumulationStrategyMixin:
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+
+    def _guard_window_checked(self) -> None:
+        """Step aside after the last window to check: every rank agreed on this optimizer step, so all do it here."""
+        if self._guard is None or self._guard_windows_left is None:
+            return
+        self._guard_windows_left -= 1
+        if self._guard_windows_left <= 0:
+            self._remove_guard()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         """Remember whether this backward's gradient reduction was skipped; under FSDP2, agree that it ended.
@@ -246,6 +265,8 @@ class AccumulationStrategyMixin:
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Step, after checking that the gradients were reduced (the closure runs the window's last backward).
+
+        After the last window that ``check_collectives`` checks, the ranks stop agreeing on FSDP2's collectives.
 
         Raises:
             RuntimeError: If the latest backward skipped its gradient reduction.
@@ -270,4 +291,6 @@ class AccumulationStrategyMixin:
                 )
             return result
 
-        return super().optimizer_step(optimizer, checked_closure, model, **kwargs)  # type: ignore[misc]
+        result = super().optimizer_step(optimizer, checked_closure, model, **kwargs)  # type: ignore[misc]
+        self._guard_window_checked()
+        return result

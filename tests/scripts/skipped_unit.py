@@ -16,6 +16,11 @@ on window 0's last micro-batch (``skip_last``) or on window 1's middle one only 
 skipping it together; rank 1 skipping it with either fix the error names (a zero-weight call, or ``cond`` left in
 the root unit with ``set_reduce_scatter_unused_params(True)``); and rank 1 running ``cond``'s forward but leaving its
 output out of the loss (``output_unused``: no backward for it on rank 1).
+
+The ``guard_*`` configurations train 6 windows (18 micro-batches a rank) and record ``guard_all_gathers``, the
+collective check's all-gathers in each micro-step of each fit: with the default check, then a resume from a
+checkpoint on the same trainer for 6 more; with ``check_collectives=2`` and ``"always"``; and with rank 1 skipping
+``cond`` in the last window the default checks, or in window 4 with ``"always"``.
 """
 
 from __future__ import annotations
@@ -39,16 +44,19 @@ SAMPLES_PER_RANK = MICRO_BATCH * MICRO_STEPS
 WINDOW_LAST, WINDOW_MIDDLE = 2, 4  # the last micro-step of window 0, the middle one of window 1
 
 
-def make_data(skips: dict[int, tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both ranks' samples (rank r holds ``[r * 24, (r + 1) * 24)``) and, per sample, whether ``cond`` runs on it:
-    not on rank r's micro-batches ``skips[r]``."""
+def make_data(
+    skips: dict[int, tuple[int, ...]], micro_steps: int = MICRO_STEPS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both ranks' samples (rank r holds ``[r * n, (r + 1) * n)``, ``n = micro_steps * MICRO_BATCH``) and, per
+    sample, whether ``cond`` runs on it: not on rank r's micro-batches ``skips[r]``."""
+    samples_per_rank = micro_steps * MICRO_BATCH
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * SAMPLES_PER_RANK, 5, generator=generator)
-    y = x @ torch.randn(5, 1, generator=generator) + 0.3 * torch.randn(2 * SAMPLES_PER_RANK, 1, generator=generator)
-    use = torch.ones(2 * SAMPLES_PER_RANK)
+    x = torch.randn(2 * samples_per_rank, 5, generator=generator)
+    y = x @ torch.randn(5, 1, generator=generator) + 0.3 * torch.randn(2 * samples_per_rank, 1, generator=generator)
+    use = torch.ones(2 * samples_per_rank)
     for rank, skipped in skips.items():
         for step in skipped:
-            start = rank * SAMPLES_PER_RANK + step * MICRO_BATCH
+            start = rank * samples_per_rank + step * MICRO_BATCH
             use[start : start + MICRO_BATCH] = 0
     return x, y, use
 
@@ -89,8 +97,10 @@ class Model(pl.LightningModule):
         self.fix = fix
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+        if isinstance(self.net, FSDPModule):  # a second fit (the resume) of the same model
+            return
         mesh = self.device_mesh["data_parallel"]
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
         options: dict[str, Any] = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
@@ -109,6 +119,27 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR)
 
 
+class GuardCollectives(pl.Callback):
+    """The guard's agreements in each micro-step of each fit: ``c10d::allgather_`` events of torch.profiler.
+
+    FSDP2 all-gathers parameters with ``c10d::_allgather_base_``; nothing else in these fits all-gathers a list.
+    """
+
+    def __init__(self) -> None:
+        self.fits: list[list[int]] = []
+
+    def on_train_start(self, *_: Any) -> None:
+        self.fits.append([])
+
+    def on_train_batch_start(self, *_: Any) -> None:
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.profiler.__enter__()
+
+    def on_train_batch_end(self, *_: Any) -> None:  # after the window's optimizer step, where it ends one
+        self.profiler.__exit__(None, None, None)
+        self.fits[-1].append(sum(event.name == "c10d::allgather_" for event in self.profiler.events()))
+
+
 def full_weights(module: nn.Module) -> dict[str, list[float]]:
     # a collective under FSDP2: every rank takes part, in the same order
     return {name: param.full_tensor().detach().flatten().tolist() for name, param in module.named_parameters()}
@@ -121,15 +152,23 @@ def run(
     bf16: bool = False,
     skips: dict[int, tuple[int, ...]] | None = None,
     fix: str | None = None,
+    check_collectives: bool | int | str = True,
+    micro_steps: int = MICRO_STEPS,
+    resume: bool = False,
+    count: bool = False,
 ) -> None:
+    counter = GuardCollectives()
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=ModelParallelAccumulationStrategy(
-            data_parallel_size=2, tensor_parallel_size=1, gradient_sync=gradient_sync
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+            gradient_sync=gradient_sync,
+            check_collectives=check_collectives,  # type: ignore[arg-type]
         ),
         max_epochs=1,
-        callbacks=[AccumulationScheduler({0: FACTOR})],
+        callbacks=[AccumulationScheduler({0: FACTOR})] + ([counter] if count else []),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -137,15 +176,24 @@ def run(
         use_distributed_sampler=False,
     )
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    x, y, use = make_data(skips or {})
-    mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)
+    x, y, use = make_data(skips or {}, micro_steps)
+    mine = slice(rank * micro_steps * MICRO_BATCH, (rank + 1) * micro_steps * MICRO_BATCH)
+    loader = DataLoader(TensorDataset(x[mine], y[mine], use[mine]), batch_size=MICRO_BATCH)
     model = Model(bf16, fix)
     record: dict[str, Any] = {}
     try:
-        trainer.fit(model, DataLoader(TensorDataset(x[mine], y[mine], use[mine]), batch_size=MICRO_BATCH))
+        trainer.fit(model, loader)
+        if resume:  # the same trainer and strategy fit again, from a checkpoint, for one more epoch
+            trainer.save_checkpoint(out / f"{name}.ckpt")
+            trainer.fit_loop.max_epochs = 2
+            trainer.fit(model, loader, ckpt_path=out / f"{name}.ckpt")
     except (RuntimeError, ValueError) as error:
         record["raised"] = str(error)
-    record |= {"optimizer_steps": trainer.global_step, "weights": full_weights(model.net)}
+    record |= {
+        "optimizer_steps": trainer.global_step,
+        "weights": full_weights(model.net),
+        "guard_all_gathers": counter.fits,
+    }
     (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
     print(f"rank {trainer.global_rank}: {name} done ({'raised' if 'raised' in record else 'trained'})", flush=True)
 
@@ -182,6 +230,23 @@ CONFIGS["last_fp32_output_unused_middle"] = {
     "gradient_sync": "last",
     "skips": {1: (WINDOW_MIDDLE,)},
     "fix": "output_unused",
+}
+
+
+# the guard checks the first windows of every fit, then steps aside: 6 windows of 3 micro-steps, and a resume of 6 more
+GUARD_STEPS = 18
+COUNTED = {"gradient_sync": "last", "micro_steps": GUARD_STEPS, "count": True}
+CONFIGS["guard_default_resume"] = {**COUNTED, "resume": True}
+CONFIGS["guard_two_windows"] = {**COUNTED, "check_collectives": 2}
+CONFIGS["guard_always"] = {**COUNTED, "check_collectives": "always"}
+# rank 1 skips `cond` in the middle of the last checked window (the default's third), or, with the check always on,
+# in the middle of window 4: every rank raises the same error there
+CONFIGS["guard_default_skip_window2"] = {"gradient_sync": "last", "micro_steps": GUARD_STEPS, "skips": {1: (7,)}}
+CONFIGS["guard_always_skip_window4"] = {
+    "gradient_sync": "last",
+    "micro_steps": GUARD_STEPS,
+    "skips": {1: (13,)},
+    "check_collectives": "always",
 }
 
 
