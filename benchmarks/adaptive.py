@@ -58,7 +58,7 @@ RUNS: dict[str, dict[str, dict[str, Any]]] = {
             "noise_scale": True,
             "noise_scale_interval": 2,
             "adaptive": True,
-            "adaptive_target": 0.8,
+            "adaptive_target": 1.0,
         },
     },
     "synthetic": {
@@ -217,6 +217,8 @@ def table(results: list[dict[str, Any]], task: str) -> list[str]:
     ]
     for name in RUNS[task]:
         runs = [r for r in rows if r["run"] == name]
+        if not runs:  # not asked for (--runs)
+            continue
         steps = statistics.mean(r["steps"] for r in runs)
         loss = statistics.mean(r["loss"] for r in runs)
         fewer = statistics.mean(1 - r["steps"] / small[r["seed"]]["steps"] for r in runs)
@@ -266,6 +268,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lm-samples", type=int, default=0, help="0: one epoch of the corpus")
     parser.add_argument("--synthetic-samples", type=int, default=32_768)
+    parser.add_argument("--runs", nargs="+", default=None, help="only these runs (small, large, ramp, adaptive)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -279,7 +282,8 @@ def main() -> None:
         return
     tasks = ["synthetic", "lm"] if args.task == "both" else [args.task]
     samples = {"lm": args.lm_samples, "synthetic": args.synthetic_samples}
-    jobs = [(task, name, seed, samples[task]) for task in tasks for seed in args.seeds for name in RUNS[task]]
+    names = {task: [name for name in RUNS[task] if args.runs is None or name in args.runs] for task in tasks}
+    jobs = [(task, name, seed, samples[task]) for task in tasks for seed in args.seeds for name in names[task]]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: launch(*job), jobs))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from lightning_accum import _instantiate
 from lightning_accum.__about__ import __version__
 from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches
+from lightning_accum.coupled import all_gather_with_grad, cached
 from lightning_accum.manual import ManualAccumulation, MicroStep
 from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.strategies import (
@@ -26,5 +27,7 @@ __all__ = [
     "ModelParallelAccumulationStrategy",
     "SampleDrivenLR",
     "__version__",
+    "all_gather_with_grad",
+    "cached",
     "estimated_stepping_batches",
 ]

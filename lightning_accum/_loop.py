@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_accum._run import print_line
 
 _SHADOWED = (
     ("epoch_loop", "_should_accumulate"),
@@ -91,10 +92,11 @@ class LoopControl:
         if not changed:
             self.lead()
             return True
-        if not self._following:
-            rank_zero_info(
+        if not self._following:  # said in the middle of training: above the progress bar
+            print_line(
+                self._trainer,
                 f"AccumulationScheduler: another component set `trainer.accumulate_grad_batches ="
-                f" {self._trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back"
+                f" {self._trainer.accumulate_grad_batches}`; Lightning's own accumulation applies until it is set back",
             )
         self.follow()
         return False

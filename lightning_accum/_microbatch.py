@@ -27,6 +27,12 @@ and ``"token"`` the item weighting does it.
   (two) as ``m`` does. A window it hands on whole is zeroed by Lightning as always; one it splits, through the same
   public hooks, by the micro-batcher (:attr:`MicroBatcher.zeroes`).
 
+- a coupled loss (the step calls :func:`lightning_accum.cached`): the loader batch is the batch the loss couples, so
+  it is never split; :meth:`MicroBatcher.listen` hears each ``cached`` call and lends it ``size`` as the chunk size. A
+  call inside a part of a split batch (the fit's first, before the first ``cached`` call was heard) stops that part
+  before any forward; the owner opens the window again at this loader batch, and from then on every loader batch
+  goes whole (under ``"auto"`` still through the out-of-memory retries, which halve the chunk size).
+
 Lightning glue: it shadows ``training_step`` on the module instance for the fit and removes the shadow after it.
 """
 
@@ -39,10 +45,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_accum._ranks import any_rank, smallest
+from lightning_accum._run import print_line
+from lightning_accum.coupled import add_listener
 from lightning_accum.split import batch_rows, is_out_of_memory, split_batch, split_problem
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import skip_gradient_sync
@@ -61,8 +69,11 @@ class Owner(Protocol):
         its loss is weighed by (``1.0`` where item weighting weighs it).
         """
 
-    def _restart_window(self, trainer: Any) -> None:
-        """Out of memory: drop the window in progress (and what it holds), open one at this loader batch."""
+    def _restart_window(self, trainer: Any, coupled: bool = False) -> None:
+        """Drop the window in progress (and what it holds), open one at this loader batch.
+
+        Out of memory, or (``coupled``) a step found to couple its batch's rows, which is trained whole from now on.
+        """
 
 
 class MicroBatcher:
@@ -93,6 +104,10 @@ class MicroBatcher:
         self.changes: list[tuple[int, int]] = []  # (old size, new size), for the summary
         self.anchored = False  # the backward Lightning runs now is the anchor's: no micro-batch's
         self._inspected = False  # whether this fit's first loader batch was checked (:meth:`inspect`)
+        self.coupled: tuple[int, int] | None = None  # the step calls `cached`: (its batch's rows, the chunk size)
+        self._in_part = False  # a part of a split loader batch runs the user's training_step
+        self._unlisten: Callable[[], None] | None = None
+        self._refusal: str | None = None  # why this fit's strategy cannot run `cached`
         # the loader batch's mean loss and its items; None for a batch handed on whole
         self._report: tuple[torch.Tensor | None, Any] | None = (None, None)
 
@@ -105,7 +120,7 @@ class MicroBatcher:
         a window of one loader batch in two halves); with no ``size`` a batch is split only so.
         With ``"auto"``, a new run (global step 0, no checkpoint) forgets the size an earlier fit found.
         """
-        self.release()
+        self._unshadow()
         if self.auto and trainer.global_step == 0 and trainer.ckpt_path is None:
             self.size = None
         self._trainer, self._module, self._original = trainer, module, module.training_step
@@ -157,6 +172,29 @@ class MicroBatcher:
             f" micro-batch: {remedy}"
         )
 
+    def listen(self, trainer: Any) -> bool:
+        """Hear the :func:`~lightning_accum.cached` calls of this fit's training steps (until :meth:`release`).
+
+        A new run (global step 0, no checkpoint) learns again whether its step couples its rows; a resumed one knows
+        from the checkpoint, so that a window it resumes inside is never opened again. Returns whether a loader batch
+        may be split (no coupled step known).
+        """
+        if trainer.global_step == 0 and trainer.ckpt_path is None:
+            self.coupled = None
+        self._refusal = _refusal(trainer.strategy)
+        if self._unlisten is None:
+            self._unlisten = add_listener(self._heard)
+        return self.coupled is None
+
+    def _heard(self, rows: int, chunk_size: int | None) -> int | None:
+        """A ``cached`` call: a part of a split batch stops here; lend the micro-batch size as the chunk size."""
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
+        if self._in_part:
+            raise _Coupled
+        self.coupled = (rows, chunk_size or self.size or rows)
+        return self.size
+
     @property
     def installed(self) -> bool:
         """Whether this fit splits (from ``install`` to ``release``)."""
@@ -172,7 +210,12 @@ class MicroBatcher:
         return self.installed and (self.size is not None or self.auto or self._parts() > 1)
 
     def metrics(self) -> dict[str, float]:
-        """``accum/micro_batch_size`` while this fit splits by a size (none for the noise scale's halves alone)."""
+        """``accum/micro_batch_size`` while this fit splits by a size (none for the noise scale's halves alone).
+
+        A coupled step instead: ``accum/coupled_batch`` and ``accum/chunk_size`` of its latest ``cached`` call.
+        """
+        if self.coupled is not None:
+            return {"accum/coupled_batch": float(self.coupled[0]), "accum/chunk_size": float(self.coupled[1])}
         return {"accum/micro_batch_size": float(self.size)} if self.installed and self.size is not None else {}
 
     def report(self) -> tuple[torch.Tensor | None, Any] | None:
@@ -180,24 +223,33 @@ class MicroBatcher:
         return self._report if self.installed else None
 
     def state_dict(self) -> dict[str, Any]:
-        """With ``"auto"``: the size found, which a resumed run keeps (it does not search again)."""
-        return {"micro_batch_size_found": self.size} if self.auto and self.size is not None else {}
+        """With ``"auto"``: the size found, which a resumed run keeps (it does not search again); a coupled step's."""
+        state: dict[str, Any] = {"micro_batch_size_found": self.size} if self.auto and self.size is not None else {}
+        return {**state, "coupled": list(self.coupled)} if self.coupled is not None else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (from the callback's whole state): a checkpoint without a size searches again."""
         if self.auto:
             found = state.get("micro_batch_size_found")
             self.size = int(found) if found else None
+        coupled = state.get("coupled")
+        self.coupled = (int(coupled[0]), int(coupled[1])) if coupled else None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # one fit's, one process's:
         state.update(_module=None, _original=None, _trainer=None, _owner=None, _window=None, _report=(None, None))
-        state["_inspected"] = False
+        state.update(_inspected=False, _in_part=False, _unlisten=None, _refusal=None)
         state["_parts"] = _whole
         return state
 
     def release(self) -> None:
-        """Give the module its own ``training_step`` back."""
+        """Give the module its own ``training_step`` back, and stop hearing ``cached`` calls."""
+        self._unshadow()
+        if self._unlisten is not None:
+            self._unlisten()
+            self._unlisten = None
+
+    def _unshadow(self) -> None:
         if self._module is not None and "training_step" in vars(self._module):
             del self._module.training_step
         self._module = self._original = self._trainer = self._owner = self._window = None
@@ -214,6 +266,17 @@ class MicroBatcher:
             self._report = None
             self._owner._start_micro_batch(batch)
             return self._original(batch, *args, **kwargs)
+        try:
+            return self._train(batch, args, kwargs)
+        except _Coupled:  # the fit's first `cached` call, in a part of a split batch: no weight has changed yet
+            rows = batch_rows(batch) or 1
+            self._in_part, self._report, self.coupled = False, (None, None), (rows, self.size or rows)
+            self._owner._restart_window(self._trainer, coupled=True)
+            return self._train(batch, args, kwargs)
+
+    def _train(self, batch: Any, args: Any, kwargs: Any) -> Any:
+        """The loader batch in parts (as one part if coupled), the ``"auto"`` retries around them."""
+        assert self._window is not None
         if self._window.is_first:  # Lightning would zero them after training_step, too late
             self._zero_grad()
         rows = batch_rows(batch)
@@ -260,9 +323,10 @@ class MicroBatcher:
             )
         old, self.size = self.size, smallest(self._trainer, max(1, self.size // 2))
         self.changes.append((old, self.size))
-        rank_zero_info(
+        print_line(
+            self._trainer,
             f"AccumulationScheduler: out of memory with micro-batches of {old}; training this batch again, as the"
-            f" first of a new window, with micro-batches of {self.size} (optimizer step {self._trainer.global_step})"
+            f" first of a new window, with micro-batches of {self.size} (optimizer step {self._trainer.global_step})",
         )
         assert self._owner is not None
         self._owner._restart_window(self._trainer)  # drops what the coordinator held of the failed attempt
@@ -275,14 +339,19 @@ class MicroBatcher:
         size = self.size or rows or 1
         if rows is not None and self._parts() > 1:
             size = min(size, math.ceil(rows / self._parts()))
-        parts = split_batch(batch, size) if rows is not None and rows > size else [batch]
+        whole = self.coupled is not None or rows is None or rows <= size
+        parts = [batch] if whole else split_batch(batch, size)
         report_loss: torch.Tensor | None = None
         report_items: Any = None
         output: Any = None
         for index, part in enumerate(parts):
             weight = (batch_rows(part) or 1) / (rows or 1)
             items, share = self._owner._start_micro_batch(part, weight)
-            output = self._original(part, *args, **kwargs)
+            self._in_part = len(parts) > 1
+            try:
+                output = self._original(part, *args, **kwargs)
+            finally:
+                self._in_part = False
             loss = _loss_of(output)
             if loss is None:
                 continue  # a skipped micro-batch (training_step returned None)
@@ -319,6 +388,22 @@ class MicroBatcher:
                 yield
         else:
             yield
+
+
+def _refusal(strategy: Any) -> str | None:
+    """Why ``cached`` cannot be exact under ``strategy`` (it shards or reduces the gradients itself), or ``None``."""
+    if not isinstance(strategy, (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)):
+        return None
+    return (
+        f"lightning_accum.cached() under {type(strategy).__name__}: the replay hands autograd each parameter's whole"
+        " gradient at once, which a strategy that shards parameters or reduces gradients inside its own engine"
+        " (FSDP, FSDP2, DeepSpeed) does not receive. Train a coupled loss on one device or with DDP"
+        " (DDPAccumulationStrategy), or compute it without cached()"
+    )
+
+
+class _Coupled(Exception):  # noqa: N818 (a signal, not an error: it never leaves the micro-batcher)
+    """A part of a split loader batch called ``cached``: the batch must be trained whole."""
 
 
 def _whole() -> int:

@@ -3,12 +3,15 @@
 Features never hold the Trainer (``tests/test_architecture.py`` checks it): at ``setup`` the coordinator binds the
 :class:`~lightning_accum.events.Context` to a :class:`TrainerRun`, which answers what the features may know (epoch,
 batches per epoch, loggers, how gradients travel between ranks, the AMP loss scale) and carries out the few actions
-they may ask for (size the progress bar, show values beside it, hand DDP's reduction to the callback for a window).
+they may ask for (size the progress bar, show values beside it, print a line above it, hand DDP's reduction to the
+callback for a window). :func:`print_line` prints a line of the package's whole, above the bar while one is drawn: the
+features' lines through ``Run.print``, the micro-batcher's directly.
 
 Lightning glue. It reads the Trainer's public attributes; sizing Lightning's TQDM bar uses its private
 ``_train_progress_bar`` (the public property raises before an epoch starts), and keeps the size across the bar's
 own reset at an epoch's start by wrapping the bar's ``on_train_epoch_start`` on the instance for the fit
-(``tests/test_lightning_contract.py`` pins both).
+(``tests/test_lightning_contract.py`` pins both); :func:`print_line` reads the same attribute to know whether the TQDM
+bar is drawn.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_accum.events import Context, DataParallel, Run, takes_dataloader_iter
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy
@@ -115,7 +119,12 @@ class TrainerRun(Run):
             _set_total(self._bar, self._total[1])
 
     def show_in_progress_bar(self, values: dict[str, Any]) -> None:  # noqa: D102
-        self._trainer.progress_bar_metrics.update(values)
+        # as text, which both bars show as given: the Rich bar writes a number in its theme's format (2 as `2.000`)
+        text: dict[str, Any] = {name: str(value) for name, value in values.items()}
+        self._trainer.progress_bar_metrics.update(text)
+
+    def print(self, text: str) -> None:  # noqa: D102
+        print_line(self._trainer, text)
 
     def reduce_gradients_elsewhere(self, elsewhere: bool) -> None:  # noqa: D102
         strategy = self._trainer.strategy
@@ -140,6 +149,44 @@ def bind(ctx: Context, trainer: pl.Trainer, module: pl.LightningModule) -> Train
     ctx.reduce = lambda tensor, op: trainer.strategy.reduce(tensor, reduce_op=op)
     ctx.broadcast = lambda obj: trainer.strategy.broadcast(obj, src=0)
     return run
+
+
+def print_line(trainer: pl.Trainer, text: str) -> None:
+    """Print ``text`` on rank zero as a line of its own: above Lightning's train progress bar while one is drawn.
+
+    A drawn bar (TQDM or Rich) prints it through its own ``print``, which clears the bar, writes the line and draws
+    the bar again below it; otherwise it goes through Lightning's rank-zero logging (``rank_zero_info``, logger
+    ``lightning.pytorch.utilities.rank_zero``). A line logged beside a drawn bar lands at the end of the bar's own line:
+    the bar ends in a carriage return, not a newline, and the logging handler knows nothing of it.
+
+    Args:
+        trainer: The Trainer whose bar is asked.
+        text: One line, without its newline.
+
+    Example::
+
+        print_line(trainer, "AccumulationScheduler: factor 2 -> 4")
+    """
+    bar = trainer.progress_bar_callback
+    if trainer.is_global_zero and bar is not None and _drawn(bar):
+        bar.print(text)
+    else:
+        rank_zero_info(text)  # nothing on the other ranks
+
+
+def _drawn(bar: Any) -> bool:
+    """Whether ``bar`` is one of Lightning's bars and on the terminal now.
+
+    An enabled TQDM bar not yet drawn, or no longer, would print nothing: its ``print`` needs a bar to write above.
+    """
+    if isinstance(bar, TQDMProgressBar):
+        # created at the bar's own on_train_start (after this package's, unless the user lists the bar first);
+        # closing it (at the fit's end, and at each epoch's end with `leave=True`) disables it
+        shown = bar._train_progress_bar
+        return bar.is_enabled and shown is not None and not shown.disable
+    if isinstance(bar, RichProgressBar):
+        return bar.is_enabled and bar.progress is not None and bar.progress.live.is_started
+    return False
 
 
 def _set_total(bar: TQDMProgressBar | RichProgressBar, total: int) -> None:

@@ -63,8 +63,8 @@ class AccumulationScheduler(Callback):
         ramp_increment: How much the global batch grows at each stage of the ramp.
         ramp_samples: Samples (tokens with ``unit="token"``) of all ranks over which the ramp reaches the target.
         micro_batch_size: Below the loader's ``batch_size``: split each loader batch into micro-batches of this many
-            rows (the factor still counts loader batches); ``"auto"``: halve from the loader's on out-of-memory errors
-            (``docs/microbatching.md``). Otherwise the samples a rank's micro-batch counts (default: the loader's).
+            rows (the factor counts loader batches; a step calling ``cached`` chunks by it instead); ``"auto"``: halve
+            on out-of-memory errors (``docs/microbatching.md``). Else the samples a rank's micro-batch counts.
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR times ``effective / base`` or its root, in steps.
         base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
         lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
@@ -74,12 +74,12 @@ class AccumulationScheduler(Callback):
         ignore_index: The label value that bears no loss.
         count_items: ``batch -> int or tensor``, counting a micro-batch's items instead.
         noise_scale: Estimate the gradient noise scale (the critical batch) and log ``accum/noise_scale``.
-        noise_scale_decay: Decay per optimizer step of the moving averages that smooth the estimate, in ``[0, 1)``.
+        noise_scale_decay: Decay of the estimate's averages per step (and of adaptive's evidence per window), [0, 1).
         noise_scale_interval: Measure every N-th window and each logged one (``1``: all); the others cost nothing.
         adaptive: Set the factor from the noise scale once the evidence calls for it (needs ``noise_scale``).
         adaptive_target: The wanted effective batch as a multiple of the noise scale.
         adaptive_max_factor: The largest factor adaptive growth may reach.
-        adaptive_confidence: The one-sided confidence of the noise scale's bound a change acts on, in ``[0.5, 1)``.
+        adaptive_confidence: One-sided confidence of a factor's first test, spent over its later ones, ``[0.5, 1)``.
         adaptive_shrink: Let the factor come down again when the noise scale's upper bound falls below the batch.
         grad_accum_dtype: The dtype micro-batch gradients are summed in where the parameters are narrower
             (``"float32"``, ``"float64"``, a ``torch.dtype``); ``"auto"``: float32 where the strategy supports it, with
@@ -209,6 +209,7 @@ class AccumulationScheduler(Callback):
             check_splitting(trainer, batcher.auto, weighs_items="item_weighting" in self._features)
             batcher.install(trainer, pl_module, owner=self, window=ctx.window, parts=lambda: ctx.noise_parts)
         ctx.splitting = split and not batcher.auto  # "auto" splits only after an out-of-memory error
+        ctx.can_split = batcher.listen(trainer) and ctx.can_split  # a coupled step's batch is never split (`cached`)
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         ctx.planned_steps, ctx.planned_samples = plan(trainer, self._spec, ctx.micro_batch_size)
         restore_loader_states(trainer)  # the states a checkpoint holds, if sizing a schedule set up the loader early
@@ -317,11 +318,11 @@ class AccumulationScheduler(Callback):
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
 
-    def _restart_window(self, trainer: pl.Trainer) -> None:
-        """Out of memory (``"auto"``): drop the window in progress; this loader batch opens one (``Owner`` protocol)."""
+    def _restart_window(self, trainer: pl.Trainer, coupled: bool = False) -> None:
+        """Out of memory, or a coupled step: drop the window in progress; this batch opens one (``Owner`` protocol)."""
         _drop_unreduced_gradients(trainer)
-        ctx = self._ctx
-        closing = ctx.window.closed
+        ctx, closing = self._ctx, self._ctx.window.closed
+        ctx.can_split = ctx.can_split and not coupled  # a coupled step's loader batch is never split
         ctx.loss = ctx.batch = None  # the failed attempt's graph and batch: nothing may keep them alive
         ctx.window.discard()
         self._open_window(trainer, closing=closing)

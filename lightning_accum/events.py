@@ -163,7 +163,10 @@ class Run:
         """Make the train progress bar count ``total`` batches this epoch (kept when the bar resets at its start)."""
 
     def show_in_progress_bar(self, values: dict[str, Any]) -> None:
-        """Show ``values`` beside the train progress bar's count."""
+        """Show ``values`` beside the train progress bar's count, each as ``str(value)`` writes it."""
+
+    def print(self, text: str) -> None:
+        """Print ``text`` on rank zero as a line of its own: above the train progress bar while one is drawn."""
 
     def reduce_gradients_elsewhere(self, elsewhere: bool) -> None:
         """Turn DDP's own gradient reduction off for whole windows (``elsewhere``), or give it back.

@@ -9,6 +9,8 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/factor`` | the scheduled accumulation factor of the window that just stepped |
 | ``accum/effective_batch_size`` | samples in that window: micro-batch x micro-batches taken x world size |
 | ``accum/micro_batch_size`` | samples per micro-batch on one rank |
+| ``accum/coupled_batch``, ``accum/chunk_size`` | a step that calls ``cached``: the rows its loss couples (the loader
+  batch, never split) and the chunk they are run in |
 | ``accum/world_size`` | number of ranks |
 | ``accum/lr`` | the learning rate the step really used (first param group, scale included), read before the step |
 | ``accum/lr_group_<i>`` | the same for each param group, when their rates differ |
@@ -22,7 +24,7 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/noise_grad_sq``, ``accum/noise_trace`` | its two smoothed estimates: abs(G)^2 and tr(Sigma) |
 | ``accum/noise_scale_to_batch`` | the noise scale over the window's batch, same unit (above 1: a larger batch pays) |
 | ``accum/noise_measurements`` | the effective number of measured windows behind the estimate |
-| ``accum/noise_scale_low``, ``accum/noise_scale_high`` | with ``adaptive=True``: the bounds its decisions act on |
+| ``accum/noise_scale_low``, ``accum/noise_scale_high`` | with ``adaptive=True``: the bounds its next decision acts on |
 | ``accum/window_samples``, ``accum/window_tokens`` | with ``normalize_by="sample"`` or ``"token"``: items in the
   window, all ranks |
 | ``accum/tokens_seen`` | with ``unit="token"``: loss-bearing tokens consumed by all ranks, the schedule's position |
@@ -138,6 +140,8 @@ def tensorboard_layout(logged: Iterable[str] | None = None) -> dict[str, dict[st
             "factor": ["Multiline", [r"^accum/factor$"]],
             "effective batch": ["Multiline", [r"^accum/effective_batch_size$"]],
             "items in the window": ["Multiline", [r"^accum/window_(samples|tokens)$"]],
+            "coupled batch (cached)": ["Multiline", [r"^accum/coupled_batch$"]],
+            "chunk (cached)": ["Multiline", [r"^accum/chunk_size$"]],
         },
         "learning rate": {
             "lr as used": ["Multiline", [r"^accum/lr$"]],

@@ -137,6 +137,26 @@ def t_quantile(probability: float, dof: float) -> float:
 
 
 @dataclass(frozen=True)
+class NoiseMeasurement:
+    """What one measured window gave the estimator (:meth:`NoiseScaleEstimator.update`'s arguments).
+
+    Attributes:
+        small_sq: The mean squared norm of the micro-batch gradients (each of its micro-batch's mean loss), over the
+            micro-batches that hold items, on every rank.
+        big_sq: The squared norm of the window's gradient, as the optimizer gets it.
+        inverse_small_batch: ``mean(1 / b_i)`` over those micro-batches, ``b_i`` their samples or tokens.
+        big_batch: The items the window's gradient is the mean over.
+        micro_batches: The micro-batches behind ``small_sq``.
+    """
+
+    small_sq: float
+    big_sq: float
+    inverse_small_batch: float
+    big_batch: float
+    micro_batches: int
+
+
+@dataclass(frozen=True)
 class NoiseReading:
     """The noise scale as a measured window left it, for what acts on it (adaptive growth).
 
@@ -146,12 +166,15 @@ class NoiseReading:
         micro_steps: The window's micro-steps (loader batches on one rank): ``items / micro_steps`` is the batch one
             unit of factor holds.
         step: The optimizer step the window ended in (1 for the first step).
+        evidence: With adaptive growth: the same measurements averaged per measured window rather than per step (so
+            that a decision stands on as many measurements however sparsely windows are measured); else ``None``.
     """
 
     estimate: NoiseScaleEstimate
     items: float
     micro_steps: int
     step: int
+    evidence: NoiseScaleEstimate | None = None
 
 
 class NoiseScaleEstimator:
@@ -289,6 +312,8 @@ def window_sums(
         squares = torch.zeros(len(sizes), dtype=dtype, device=device).index_add_(0, owner, squared[:first_mean])
 
         def column(values: list[Any]) -> torch.Tensor:
+            if all(isinstance(v, (int, float)) for v in values):  # host numbers: one tensor, not one per value
+                return torch.tensor(values, dtype=dtype, device=device)
             return torch.stack([torch.as_tensor(v, device=device).to(dtype).reshape(()) for v in values])
 
         divisors, items = column([d for _, d, _ in backwards]), column([n for _, _, n in backwards])

@@ -1,19 +1,30 @@
 """A tiny regression model, its Lightning wrapper, and the plain-PyTorch big-batch reference.
 
 The reference never imports lightning_accum: it takes one SGD step per window on the mean loss over the window's
-micro-batches, with the windows written out by hand in each test.
+micro-batches, with the windows written out by hand in each test. The last section launches processes for the tests.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+if TYPE_CHECKING:  # the scripts the tests launch import this module too: they need no pytest
+    import pytest
 
 IN_FEATURES = 5
 LR = 0.1
@@ -179,8 +190,8 @@ class DictDataset(torch.utils.data.Dataset):
         return {key: value[index] for key, value in self.data.items()}
 
 
-def exact_noise_scale(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """B_simple = tr(Sigma) / |G|^2 of the MSE loss, from every per-sample gradient of the dataset (torch.func)."""
+def per_sample_gradients(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Every sample's gradient of the MSE loss, flattened (one row each, float64; torch.func)."""
     from torch.func import functional_call, grad, vmap
 
     params = {name: p.detach() for name, p in net.named_parameters()}
@@ -189,7 +200,12 @@ def exact_noise_scale(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float
         return nn.functional.mse_loss(functional_call(net, params, (xi[None],)), yi[None])
 
     per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    flat = torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
+    return torch.cat([g.reshape(len(x), -1) for g in per_sample.values()], dim=1).double()
+
+
+def exact_noise_scale(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """B_simple = tr(Sigma) / |G|^2 of the MSE loss, from every per-sample gradient of the dataset (torch.func)."""
+    flat = per_sample_gradients(net, x, y)
     mean = flat.mean(0)
     return ((flat - mean).pow(2).sum(1).mean() / mean.pow(2).sum()).item()
 
@@ -219,3 +235,127 @@ class MeasuredLR(pl.Callback):
             index = int(grad.abs().argmax())
             lrs.append(float((before.flatten()[index] - param.detach().flatten()[index]) / grad[index]))
         self.used.append(lrs)
+
+
+# ------------------------------------------------------------------ launching processes
+
+_SESSION_ENVIRONMENT = dict(os.environ)  # as the suite started: tests/conftest.py imports this module first
+
+# what a launcher (Lightning's, torchrun) sets for the ranks it starts, and Lightning's seed_everything for its
+# samplers: an in-process fit of an earlier test leaves them in os.environ, and a script launched with them would
+# take itself for a rank an outside launcher started and wait for the others, or shuffle with another seed
+LAUNCHER_VARIABLES = frozenset(
+    {
+        "LOCAL_RANK",
+        "NODE_RANK",
+        "GLOBAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PL_GLOBAL_SEED",
+        "PL_SEED_WORKERS",
+    }
+)
+
+
+def launch_environment() -> dict[str, str]:
+    """The environment for a process a test launches: the one the suite started with, as a user's shell holds it.
+
+    Not this process's own: in-process fits leave LAUNCHER_VARIABLES in it, tests set variables for themselves, and
+    launches run in another thread while tests run (:func:`launched_ahead`).
+    """
+    return {key: value for key, value in _SESSION_ENVIRONMENT.items() if key not in LAUNCHER_VARIABLES}
+
+
+_LAUNCHES: dict[tuple[str, str], Callable[[Path], Any]] = {}  # (module, fixture name) -> launch
+_STARTED: dict[tuple[str, str], Future[Any]] = {}
+_WAITING: list[tuple[tuple[str, str], Path]] = []  # started, not yet running: the next one first
+_LOCK = threading.Lock()
+
+
+def launched_ahead(name: str, launch: Callable[[Path], Any]) -> Any:
+    """A module-scoped fixture ``name`` whose value is ``launch(folder)``, a launch of processes run ahead of the tests.
+
+    A launch spends seconds importing torch and Lightning, mostly on one core. The session queues the launches of the
+    modules it runs (:func:`start_launches`, from tests/conftest.py) and a background thread runs them in turn, while
+    the tests use the other core; a fixture whose launch is not done yet runs the next queued one itself meanwhile, so
+    that two run at once. A launch the session did not queue runs when its fixture is first asked for.
+    """
+    import pytest
+
+    key = (launch.__module__, name)
+    _LAUNCHES[key] = launch
+
+    @pytest.fixture(scope="module", name=name)
+    def launched(tmp_path_factory: pytest.TempPathFactory) -> Any:
+        started = _STARTED.get(key)
+        if started is None:
+            return launch(tmp_path_factory.mktemp(name))
+        while not started.done() and _run_next(preferring=key):
+            pass
+        return started.result()
+
+    return launched
+
+
+def start_launches(modules: set[str], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Queue the launches of ``modules`` in the order the modules registered them, and start the background thread."""
+    for key in _LAUNCHES:
+        if key[0] in modules:
+            _STARTED[key] = Future()
+            _WAITING.append((key, tmp_path_factory.mktemp(key[1])))
+    threading.Thread(target=_run_all, name="launches", daemon=True).start()
+
+
+def stop_launches() -> None:
+    """Run no launch that has not started (the session ends)."""
+    with _LOCK:
+        _WAITING.clear()
+
+
+def _run_all() -> None:
+    while _run_next():
+        pass
+
+
+def _run_next(preferring: tuple[str, str] | None = None) -> bool:
+    """Run the launch ``preferring`` if it waits, or else the next one that waits; False if none does."""
+    with _LOCK:
+        if not _WAITING:
+            return False
+        index = next((i for i, (key, _) in enumerate(_WAITING) if key == preferring), 0)
+        key, folder = _WAITING.pop(index)
+    try:
+        _STARTED[key].set_result(_LAUNCHES[key](folder))
+    except BaseException as error:  # re-raised where the fixture asks for the result
+        _STARTED[key].set_exception(error)
+        if not isinstance(error, Exception):
+            raise  # an interrupt stops the session, here too
+    return True
+
+
+def run_forked(
+    jobs: dict[str, Sequence[str]], preload: Sequence[str], folder: Path, limit: int = 300
+) -> dict[str, tuple[int, str]]:
+    """Run each job, ``[SCRIPT, ARG, ...]``, as a process of its own that runs as ``python SCRIPT ARG ...`` from
+    ``folder``; name -> (exit status, stdout and stderr combined). The processes fork from one interpreter that has
+    imported ``preload`` (tests/scripts/forked.py), one per core at a time, all under ``timeout -s KILL limit``."""
+    out = Path(tempfile.mkdtemp(prefix="forked-", dir=folder))
+    spec = {"preload": preload, "jobs": jobs, "cwd": str(folder), "out": str(out), "parallel": os.cpu_count() or 2}
+    (out / "spec.json").write_text(json.dumps(spec))
+    driver = Path(__file__).resolve().parent / "scripts" / "forked.py"
+    done = subprocess.run(
+        ["timeout", "-s", "KILL", str(limit), sys.executable, str(driver), str(out / "spec.json")],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=launch_environment(),
+    )
+    ended = out / "returncodes.json"
+    returncodes = json.loads(ended.read_text()) if ended.exists() else {}
+    unfinished = [name for name in jobs if name not in returncodes]
+    assert done.returncode == 0, f"exit {done.returncode}, unfinished: {unfinished}\n{done.stderr[-4000:]}"
+    return {name: (returncodes[name], (out / f"{name}.txt").read_text()) for name in jobs}

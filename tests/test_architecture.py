@@ -45,6 +45,7 @@ PURE = [
     "precision",
     "split",
     "sample_driven_lr",
+    "coupled",
 ]
 
 

@@ -3,18 +3,16 @@
 Every case is a real process: ``tests/scripts/tiny_cli.py`` (a LightningCLI of a tiny model with
 :class:`lightning_accum.cli.AccumulationArgumentParser`) run on a YAML config that is correct except for one value,
 given in the YAML or on the command line. The parser rejects the value before anything trains; the correct config
-itself trains (``test_the_correct_config_trains``), so each failure is the bad value's. The processes run in
-parallel, a few at a time; more cases run the same script's ``main`` in this process, as a process costs seconds of
-imports. A few run the same model and data through plain LightningCLI, without that parser.
+itself trains (``test_the_correct_config_trains``), so each failure is the bad value's. The processes fork from one
+interpreter that has imported torch and Lightning (tests.helpers.run_forked), one per core at a time, as a fresh
+interpreter costs seconds of imports; more cases run the same script's ``main`` in this process. A few run the same
+model and data through plain LightningCLI, without that parser.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -23,6 +21,7 @@ import torch
 import yaml
 
 from lightning_accum.cli import focus_config_error
+from tests.helpers import launched_ahead, run_forked
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "tiny_cli.py"
@@ -156,42 +155,31 @@ def _config(case: Case | None) -> dict[str, Any]:
     return {"trainer": trainer, "data": {"batch_size": 4}}
 
 
-def _run(
-    config: dict[str, Any], path: Path, argv: tuple[str, ...] = (), script: Path = SCRIPT
-) -> subprocess.CompletedProcess[str]:
-    path.write_text(yaml.safe_dump(config))
-    return subprocess.run(
-        [sys.executable, str(script), "fit", "--config", str(path), *argv],
-        cwd=path.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,  # the combined output, in the order it was written
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
-    """Every case and the correct config, run in parallel once for the module."""
-    folder = tmp_path_factory.mktemp("cli_errors")
-    jobs = {
-        case.name: (_config(case), folder / f"case{index}.yaml", case.argv, SCRIPT) for index, case in enumerate(CASES)
-    }
-    jobs["correct"] = (_config(None), folder / "correct.yaml", (), SCRIPT)
+def _runs(folder: Path) -> dict[str, tuple[int, str]]:
+    """Every case and the correct config, each a process of its own: name -> (exit status, stdout and stderr
+    combined in the order written)."""
     plain_cli = folder / "plain_cli.py"
     plain_cli.write_text(PLAIN_CLI)
-    for index, case in enumerate(PLAIN_CASES):
-        jobs[case.name] = (_config(case), folder / f"plain{index}.yaml", case.argv, plain_cli)
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        futures = {name: pool.submit(_run, *job) for name, job in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}
+    configs = {case.name: (case, f"case{index}", SCRIPT) for index, case in enumerate(CASES)}
+    configs.update({case.name: (case, f"plain{index}", plain_cli) for index, case in enumerate(PLAIN_CASES)})
+    jobs = {"correct": [str(SCRIPT), "fit", "--config", _write(_config(None), folder / "correct.yaml")]}
+    for name, (case, stem, script) in configs.items():
+        jobs[name] = [str(script), "fit", "--config", _write(_config(case), folder / f"{stem}.yaml"), *case.argv]
+    return run_forked(jobs, preload=["lightning.pytorch", "lightning.pytorch.cli"], folder=folder)
+
+
+runs = launched_ahead("runs", _runs)
+
+
+def _write(config: dict[str, Any], path: Path) -> str:
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
 
 
 def test_the_correct_config_trains(runs):
-    done = runs["correct"]
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert "Traceback" not in done.stdout
+    returncode, output = runs["correct"]
+    assert returncode == 0, output[-3000:]
+    assert "Traceback" not in output
 
 
 def _check_named(case: Case, output: str) -> str:
@@ -212,16 +200,16 @@ def _check(case: Case, output: str) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_a_wrong_value_ends_the_process_naming_its_key_and_value_in_the_last_lines(runs, case):
-    done = runs[case.name]
-    assert done.returncode != 0, done.stdout[-3000:]
-    _check(case, done.stdout)
+    returncode, output = runs[case.name]
+    assert returncode != 0, output[-3000:]
+    _check(case, output)
 
 
 @pytest.mark.parametrize("case", PLAIN_CASES, ids=[case.name for case in PLAIN_CASES])
 def test_plain_lightning_cli_never_trains_on_a_value_the_constructor_refuses(runs, case):
-    done = runs[case.name]
-    assert done.returncode != 0, done.stdout[-3000:]
-    assert case.key in done.stdout, done.stdout[-3000:]
+    returncode, output = runs[case.name]
+    assert returncode != 0, output[-3000:]
+    assert case.key in output, output[-3000:]
 
 
 # Plain LightningCLI calls the constructors itself and catches nothing they raise: jsonargparse would wrap the
@@ -229,7 +217,7 @@ def test_plain_lightning_cli_never_trains_on_a_value_the_constructor_refuses(run
 # instantiator for AccumulationScheduler when it is imported (lightning_accum/_instantiate.py): one line, exit 2.
 @pytest.mark.parametrize("case", PLAIN_CASES, ids=[case.name for case in PLAIN_CASES])
 def test_plain_lightning_cli_names_a_value_the_constructor_refuses_in_the_last_lines(runs, case):
-    _check_named(case, runs[case.name].stdout)
+    _check_named(case, runs[case.name][1])
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from torch import nn
 
 import lightning_accum
 from lightning_accum import DeepSpeedAccumulationStrategy
+from tests.helpers import launch_environment, launched_ahead
 from tests.test_distributed import MICRO_STEPS_PER_EPOCH, NUM_SAMPLES, make_data, make_net, micro_step_indices
 from tests.test_distributed import reference_weights as big_batch_weights
 
@@ -42,27 +43,26 @@ WINDOWS = {
 }
 
 
-LAUNCHES = {1: "runs", 2: "killed", 3: "killed"}  # stages 2 and 3 end killed in a window, then resume
+# a process costs seconds of imports: one launch runs several stages, the two killed ones (each ends its launch
+# killed in a window) side by side, as each mostly waits on gloo; then both resumes in one launch
+KILLED = (["runs:1", "killed:2"], ["killed:3"])
+RESUMED = ["resume:2", "resume:3"]
 
 
-def _launch_all(tmp: Path, limit: int = 400) -> None:
-    """The stages' launches side by side (each mostly waits on gloo), then the resumes side by side."""
-    started = {stage: _start(command, stage, tmp, limit) for stage, command in LAUNCHES.items()}
-    for stage, process in started.items():
-        _check(process, killed=LAUNCHES[stage] == "killed")
-    resumes = {stage: _start("resume", stage, tmp, limit) for stage, command in LAUNCHES.items() if command == "killed"}
-    for process in resumes.values():
-        _check(process, killed=False)
+def _launch_all(tmp: Path, limit: int = 400) -> Path:
+    for process in [_start(steps, tmp, limit) for steps in KILLED]:
+        _check(process, killed=True)
+    _check(_start(RESUMED, tmp, limit), killed=False)
+    return tmp
 
 
-def _start(command: str, stage: int, tmp: Path, limit: int) -> subprocess.Popen:
-    out = tmp / f"zero{stage}"
-    out.mkdir(exist_ok=True)
+def _start(steps: list[str], tmp: Path, limit: int) -> subprocess.Popen:
     return subprocess.Popen(
-        ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPT), command, str(stage), str(out)],
+        ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPT), str(tmp), *steps],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=launch_environment(),
     )
 
 
@@ -75,11 +75,7 @@ def _check(process: subprocess.Popen, killed: bool) -> None:
         assert process.returncode == 0, f"exit {process.returncode}; {clues}\n{output[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("deepspeed")
-    _launch_all(tmp)
-    return tmp
+launched = launched_ahead("launched", _launch_all)
 
 
 def _records(out: Path, name: str) -> list[dict]:

@@ -23,7 +23,7 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from two_ranks import LR, NUM_SAMPLES, make_data, make_net  # noqa: E402
 
-from tests.helpers import exact_noise_scale, make_tokens, token_loss  # noqa: E402
+from tests.helpers import exact_noise_scale, launch_environment, launched_ahead, make_tokens, token_loss  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MICRO_BATCH = 4  # per rank
@@ -102,6 +102,7 @@ def _launch(script: str, *args: str, out: Path, limit: int = 600) -> str:
         capture_output=True,
         text=True,
         check=False,
+        env=launch_environment(),
     )
     output = done.stdout + done.stderr
     clues = [line for line in output.splitlines() if any(word in line for word in ("Error", "Traceback", "terminate"))]
@@ -115,22 +116,27 @@ def _records(out: Path, name: str) -> list[dict]:
     return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    _launch("two_ranks.py", "ddp", out=out)
+def _two_ranks(out: Path) -> Path:
+    """Every configuration under DDP, then under FSDP2, in one launch (a process costs seconds of imports)."""
+    _launch("two_ranks.py", "ddp,fsdp2", out=out)
     return out
 
 
+two_ranks = launched_ahead("two_ranks", _two_ranks)
+
+
 @pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
-    _launch("two_ranks.py", "fsdp2", out=out)
-    return out
+def ddp(two_ranks):
+    return two_ranks / "ddp"
 
 
-def test_ddp_fits_print_no_warning_about_lightnings_deprecated_all_gather(ddp):
-    output = (ddp / "output.txt").read_text()
+@pytest.fixture(scope="module")
+def fsdp2(two_ranks):
+    return two_ranks / "fsdp2"
+
+
+def test_ddp_fits_print_no_warning_about_lightnings_deprecated_all_gather(two_ranks):
+    output = (two_ranks / "output.txt").read_text()  # the DDP fits' and the FSDP2 fits'
     assert "torch.distributed.nn.functional.all_gather" not in output
 
 
@@ -319,7 +325,7 @@ def test_manual_accumulation_equals_automatic(backend, manual_name, automatic_na
 def test_fsdp1_end_to_end_on_cuda(tmp_path):
     _launch("two_ranks.py", "fsdp1", out=tmp_path)
     for name, windows in WINDOWS.items():
-        rank0, rank1 = _records(tmp_path, name)
+        rank0, rank1 = _records(tmp_path / "fsdp1", name)
         assert rank0["optimizer_steps"] == len(windows)
         assert max_deviation(rank0, windows, name) <= 1e-5, name
         if name != "stock_k4":
@@ -327,9 +333,16 @@ def test_fsdp1_end_to_end_on_cuda(tmp_path):
             assert rank0["reduce_scatters"] == rank1["reduce_scatters"] == UNITS * per, name
 
 
-def test_fsdp1_sync_control_on_the_real_fsdp_class(tmp_path):
-    _launch("fsdp1_sync.py", out=tmp_path)
-    last, every = (json.loads((tmp_path / f"{policy}.json").read_text()) for policy in ("last", "every"))
+def _fsdp1_sync(out: Path) -> Path:
+    _launch("fsdp1_sync.py", out=out)
+    return out
+
+
+fsdp1_sync = launched_ahead("fsdp1_sync", _fsdp1_sync)
+
+
+def test_fsdp1_sync_control_on_the_real_fsdp_class(fsdp1_sync):
+    last, every = (json.loads((fsdp1_sync / f"{policy}.json").read_text()) for policy in ("last", "every"))
     windows = WINDOWS["last_k3"]
     assert last["optimizer_steps"] == every["optimizer_steps"] == len(windows)
     assert last["reduce_scatters"] == UNITS * len(windows)
@@ -398,11 +411,18 @@ def _untouched() -> dict[str, list[float]]:
     return {name: param.detach().flatten().tolist() for name, param in make_net().named_parameters()}
 
 
-def test_ddp_spawn_pickles_the_callback_with_every_option_and_manual_accumulation(tmp_path):
+def _spawn(out: Path) -> Path:
+    _launch("spawn.py", out=out, limit=300)
+    return out
+
+
+spawn = launched_ahead("spawn", _spawn)
+
+
+def test_ddp_spawn_pickles_the_callback_with_every_option_and_manual_accumulation(spawn):
     """start_method="spawn" pickles the Trainer with its callbacks and strategy, and the module."""
-    _launch("spawn.py", out=tmp_path, limit=300)
     for name, steps in (("every_option", 8), ("manual", 5)):
-        rank0, rank1 = (json.loads((tmp_path / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1))
+        rank0, rank1 = (json.loads((spawn / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1))
         assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == steps
         assert rank0["weights"] == rank1["weights"]
 

@@ -15,6 +15,7 @@ import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_accum import AccumulationScheduler, DDPAccumulationStrategy, SampleDrivenLR
+from tests.helpers import launch_environment, launched_ahead
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -109,9 +110,9 @@ def test_the_step_schedule_config_changes_the_factor_at_step_50(train_lm, tmp_pa
 
 def test_the_adaptive_config_anneals_its_schedule_where_the_epoch_ends(train_lm, tmp_path):
     args = ["fit", f"--config={CONFIGS[0].parent / 'lm_adaptive.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
-    cli = train_lm.main([*args, *SMALL, "--data.corpus_bytes=20000", "--trainer.val_check_interval=1.0"])
+    cli = train_lm.main([*args, *SMALL, "--data.corpus_bytes=8000", "--trainer.val_check_interval=1.0"])
     callback = _callback(cli)
-    assert callback.features["adaptive"].policy.target == 0.8  # type: ignore[attr-defined]
+    assert callback.features["adaptive"].policy.target == 1.0  # type: ignore[attr-defined]
     (config,) = cli.trainer.lr_scheduler_configs
     assert isinstance(config.scheduler, SampleDrivenLR)
     epoch_steps = math.ceil(cli.trainer.num_training_batches / 2)  # factor 2 throughout: what it was sized for
@@ -162,6 +163,7 @@ def _train_lm(config: Path, *overrides: str, cwd: Path) -> str:
         text=True,
         timeout=600,
         check=False,
+        env=launch_environment(),
     )
     printed = done.stdout + done.stderr
     if done.returncode == -signal.SIGABRT and _EXIT_ABORT in done.stderr and "`Trainer.fit` stopped" in done.stderr:
@@ -175,14 +177,20 @@ def _train_lm(config: Path, *overrides: str, cwd: Path) -> str:
 _EXIT_ABORT = "terminate called without an active exception"
 
 
-def test_the_ddp_config_trains_on_two_processes(tmp_path):
-    printed = _train_lm(
+def _ddp_config_run(cwd: Path) -> str:
+    return _train_lm(
         EXAMPLES / "configs" / "lm_ddp.yaml",
         *["--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.logger=false"],
         "--trainer.enable_checkpointing=false",
-        cwd=tmp_path,
+        cwd=cwd,
     )
-    assert "micro 8 x factor 4 x world 2 = 64 samples" in printed
+
+
+ddp_config_run = launched_ahead("ddp_config_run", _ddp_config_run)
+
+
+def test_the_ddp_config_trains_on_two_processes(ddp_config_run):
+    assert "micro 8 x factor 4 x world 2 = 64 samples" in ddp_config_run
 
 
 def test_a_bad_value_in_yaml_names_the_argument(train_lm, tmp_path, capsys):
@@ -206,20 +214,25 @@ def test_a_bad_value_in_yaml_names_the_argument(train_lm, tmp_path, capsys):
     assert "50: 0" in error
 
 
-def test_the_readme_command_runs_the_main_example_from_the_command_line(tmp_path):
+def _readme_run(cwd: Path) -> tuple[Path, str]:
     readme = (ROOT / "README.md").read_text()
     command = re.search(r"\.venv/bin/python (examples/train_lm\.py fit --config (\S+))", readme)
     assert command, "README's first command runs examples/train_lm.py with a config"
-    printed = _train_lm(
-        ROOT / command.group(2), "--trainer.max_steps=2", "--trainer.val_check_interval=4", cwd=tmp_path
-    )
-    (version,) = (tmp_path / "lightning_logs").iterdir()  # ./lightning_logs, where the README says
+    return cwd, _train_lm(ROOT / command.group(2), "--trainer.max_steps=2", "--trainer.val_check_interval=4", cwd=cwd)
+
+
+readme_run = launched_ahead("readme_run", _readme_run)
+
+
+def test_the_readme_command_runs_the_main_example_from_the_command_line(readme_run):
+    cwd, printed = readme_run
+    (version,) = (cwd / "lightning_logs").iterdir()  # ./lightning_logs, where the README says
     assert list(version.glob("events.out.tfevents.*"))
     assert "micro 8 x factor 2 x world 1 = 16 samples" in printed
 
 
-def test_the_accumulation_experiment_writes_its_table_plot_and_numbers(tmp_path):
-    out = tmp_path / "experiment"
+def _experiment(tmp: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp / "experiment"
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / "accumulation_experiment.py"), "--factors", "1", "2", "--samples", "64"]
         + ["--micro_batch_size", "4", "--context", "16", "--width", "16", "--layers", "1", "--out", str(out)],
@@ -227,7 +240,16 @@ def test_the_accumulation_experiment_writes_its_table_plot_and_numbers(tmp_path)
         text=True,
         timeout=600,
         check=False,
+        env=launch_environment(),
     )
+    return done, out
+
+
+experiment = launched_ahead("experiment", _experiment)
+
+
+def test_the_accumulation_experiment_writes_its_table_plot_and_numbers(experiment):
+    done, out = experiment
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert [(r["factor"], r["accumulate"]) for r in results] == [(1, True), (2, True), (2, False)]

@@ -421,9 +421,9 @@ def test_noise_scale_measures_every_interval_th_window_and_the_logged_ones_with_
 
 
 def _reading(noise_scale: float, step: int, items: float = 16.0, micro_steps: int = 2) -> NoiseReading:
-    """A reading with a tight interval (10 measurements, 1% scatter) around ``noise_scale``."""
-    estimate = NoiseScaleEstimate(1.0, noise_scale, noise_scale, 10.0, 1e-4, (noise_scale / 100) ** 2, 0.0)
-    return NoiseReading(estimate, items, micro_steps, step)
+    """A reading with a tight interval (4 measurements, 1% scatter) around ``noise_scale``, as evidence too."""
+    estimate = NoiseScaleEstimate(1.0, noise_scale, noise_scale, 4.0, 1e-4, (noise_scale / 100) ** 2, 0.0)
+    return NoiseReading(estimate, items, micro_steps, step, evidence=estimate)
 
 
 def test_adaptive_growth_decides_once_per_measured_window_and_broadcasts_rank_zeros_decision():
@@ -440,6 +440,18 @@ def test_adaptive_growth_decides_once_per_measured_window_and_broadcasts_rank_ze
     features.dispatch(Event.WINDOW_OPENING, ctx)  # no window measured since: no decision, no collective
     assert decided == [2]
     assert ctx.factor == 4
+
+
+def test_adaptive_growth_waits_for_fresh_evidence_and_doubles_at_most_per_change():
+    growth = AdaptiveGrowth(target=1.0, max_factor=64)
+    features, factors = Features([growth]), []
+    for step in range(1, 13):
+        ctx = Context(factor=1, optimizer_steps=step)
+        ctx.noise = _reading(1000.0, step=step, items=8.0, micro_steps=1)  # calls for 125 x 8: far above the maximum
+        features.dispatch(Event.WINDOW_OPENING, ctx)
+        factors.append(ctx.factor)
+    # the first decision after 3 measured windows, then each change on 3 windows measured since the last one
+    assert factors == [1, 1, 2, 2, 2, 4, 4, 4, 8, 8, 8, 16]
 
 
 def test_adaptive_growth_resumes_with_the_measurement_it_decides_from():

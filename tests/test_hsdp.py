@@ -34,6 +34,7 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from hsdp import FACTOR, LR, MICRO_BATCH, NUM_SAMPLES, WINDOWS, WORLD_SIZE, make_data, make_net  # noqa: E402
 
+from tests.helpers import launched_ahead  # noqa: E402
 from tests.test_distributed import _launch  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "hsdp.py"
@@ -49,11 +50,12 @@ PER_UNIT_PER_STEP = {
 }
 
 
-@pytest.fixture(scope="module")
-def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hsdp")
+def _hsdp(out: Path) -> Path:
     _launch("hsdp.py", out=out, limit=300)
     return out
+
+
+hsdp = launched_ahead("hsdp", _hsdp)
 
 
 def _records(out: Path, sync: str) -> list[dict]:

@@ -12,6 +12,7 @@ import pytest
 
 from lightning_accum.cli import main
 from lightning_accum.plan import PlanRow, plan, plan_table
+from tests.helpers import launch_environment, launched_ahead
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,43 +70,65 @@ def test_the_command_prints_the_table_and_exits_2_without_a_valid_plan(capsys):
     assert "96 or 112" in capsys.readouterr().out
 
 
-def test_the_probe_measures_the_real_model_and_picks_the_largest_micro_batch_that_fits():
-    def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "lightning_accum.cli", "plan", "--global-batch", "512", "--micro-batch", "16", "512"]
-            + ["--probe", "tests.probe_model:WideNet", *args],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
+def _plan(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """``lightning-accum plan ARGS`` as a process of its own, run from the repository's root."""
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_accum.cli", "plan", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=launch_environment(),
+    )
 
-    measure = run("--memory-budget", "1e9")
-    assert measure.returncode == 0, measure.stderr[-2000:]
-    peaks = {
+
+PROBE = ["--global-batch", "512", "--micro-batch", "16", "512", "--probe", "tests.probe_model:WideNet"]
+
+
+def _peaks(stderr: str) -> dict[int, float]:
+    return {
         int(line.split()[2].rstrip(":")): float(line.split()[4])
-        for line in measure.stderr.splitlines()
+        for line in stderr.splitlines()
         if line.startswith("probe: micro-batch")
     }
+
+
+def _probed(_: Path) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str] | None]:
+    """The command with a budget every micro-batch fits, then (if it measured both) with one between their peaks."""
+    measure = _plan(*PROBE, "--memory-budget", "1e9")
+    peaks = _peaks(measure.stderr)
+    if measure.returncode or set(peaks) != {16, 512}:
+        return measure, None  # the test says what went wrong
+    return measure, _plan(*PROBE, "--memory-budget", str((peaks[16] + peaks[512]) / 2))
+
+
+probed = launched_ahead("probed", _probed)
+
+
+def test_the_probe_measures_the_real_model_and_picks_the_largest_micro_batch_that_fits(probed):
+    measure, chosen = probed
+    assert measure.returncode == 0, measure.stderr[-2000:]
+    peaks = _peaks(measure.stderr)
     assert list(peaks) == [16, 512]
     assert peaks[512] > peaks[16] + 4  # activations grow with the micro-batch (512 x 4096 floats = 8 MiB a layer)
-    chosen = run("--memory-budget", str((peaks[16] + peaks[512]) / 2))
+    assert chosen is not None
     assert chosen.returncode == 0, chosen.stderr[-2000:]
     rows = [line for line in chosen.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(row.split("|")[1]) for row in rows] == [16]  # 512 does not fit the budget
 
 
-def test_a_probe_target_that_does_not_import_exits_2_naming_it_without_a_traceback():
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_accum.cli", "plan", "--global-batch", "8", "--micro-batch", "4"]
-        + ["--probe", "nosuch:X", "--memory-budget", "100"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+def _unimportable(_: Path) -> subprocess.CompletedProcess[str]:
+    return _plan(
+        "--global-batch", "8", "--micro-batch", "4", "--probe", "nosuch:X", "--memory-budget", "100", timeout=300
     )
+
+
+unimportable = launched_ahead("unimportable", _unimportable)
+
+
+def test_a_probe_target_that_does_not_import_exits_2_naming_it_without_a_traceback(unimportable):
+    done = unimportable
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert done.stderr.strip().splitlines()[-1] == (

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.precision import WideAccumulator, check_grad_accum_dtype, narrower
-from tests.helpers import DictDataset, trainer
+from tests.helpers import DictDataset, launch_environment, launched_ahead, trainer
 
 FEATURES, FACTOR, MICRO_BATCH = 64, 32, 4
 
@@ -235,22 +235,20 @@ def test_the_accumulator_writes_only_gradients_that_exist():
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "precision_ranks.py"
 
 
-def _launch(backend: str, out: Path) -> None:
+def _two_ranks(out: Path) -> Path:
+    """Every configuration under DDP, then under FSDP2, in one launch (a process costs seconds of imports)."""
     done = subprocess.run(
-        ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), backend, str(out)],
+        ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), "ddp,fsdp2", str(out)],
         capture_output=True,
         text=True,
         check=False,
+        env=launch_environment(),
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("precision_ranks")
-    for backend in ("ddp", "fsdp2"):
-        _launch(backend, out)
     return out
+
+
+two_ranks = launched_ahead("two_ranks", _two_ranks)
 
 
 def _ulps(record: dict) -> float:

@@ -2,13 +2,13 @@
 
 The configurations (tests/scripts/resume_run.py) cover each kind of state the callback keeps: schedules by epoch,
 step, sample and token, ramps by samples and by tokens, LR scaling with warmup, the noise scale, adaptive growth
-(from factor 1 too, with a SampleDrivenLR schedule), token weighting, and all of them together. Each resumed run
+(from factor 1 too, with a SampleDrivenLR schedule), token weighting, a loss that couples its batch's rows
+(``cached``, whose loader batches are never split), and all of them together. Each resumed run
 must end within 1e-6 of the uninterrupted run, with the same number of optimizer steps.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,26 +26,18 @@ from resume_run import (  # noqa: E402
 )
 
 from lightning_accum import AccumulationScheduler  # noqa: E402
-from tests.helpers import max_deviation, trainer  # noqa: E402
+from tests.helpers import launched_ahead, max_deviation, run_forked, trainer  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "resume_run.py"
 
 
-@pytest.fixture(scope="module")
-def killed(tmp_path_factory):
-    """Every configuration's run, SIGKILLed in the middle of a window, all launched at once."""
-    root = tmp_path_factory.mktemp("killed")
-    runs = {
-        name: subprocess.Popen(
-            ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), name, str(root / name)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name in CONFIGS
-    }
-    outcomes = {name: (run.wait(), run.stderr.read() if run.stderr else "") for name, run in runs.items()}
-    return root, outcomes
+def _killed(root: Path) -> tuple[Path, dict[str, tuple[int, str]]]:
+    """Every configuration's run, SIGKILLed in the middle of a window, each a process of its own."""
+    jobs = {name: [str(SCRIPT), name, str(root / name)] for name in CONFIGS}
+    return root, run_forked(jobs, preload=["lightning.pytorch"], folder=root)
+
+
+killed = launched_ahead("killed", _killed)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +94,7 @@ def test_the_configurations_change_what_they_should(uninterrupted):
         assert uninterrupted[name][3].samples_seen == EPOCHS * 48
     for name in ("token_unit", "token_ramp"):
         assert uninterrupted[name][3].features["token_count"].tokens_seen > 120  # past the last key
+    assert uninterrupted["coupled"][3]._batcher.coupled == (4, 2)  # whole loader batches of 4, in chunks of 2
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -118,8 +111,8 @@ def test_a_checkpoint_at_a_window_boundary_resumes_exactly(uninterrupted, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_a_run_killed_in_the_middle_of_a_window_resumes_exactly(killed, uninterrupted, name):
     root, outcomes = killed
-    code, stderr = outcomes[name]
-    assert code == -9, f"the run was not SIGKILLed (exit {code}): {stderr[-2000:]}"
+    code, output = outcomes[name]
+    assert code == -9, f"the run was not SIGKILLed (exit {code}): {output[-2000:]}"
     reference, steps, _, _ = uninterrupted[name]
     resumed, resumed_steps, callback = _resume(name, root / name / "last.ckpt")
     assert resumed_steps == steps

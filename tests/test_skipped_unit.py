@@ -13,7 +13,6 @@ the check steps aside and issues no collective at all; ``check_collectives="alwa
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -38,31 +37,30 @@ from skipped_unit import (  # noqa: E402
     make_data,
 )
 
+from tests.helpers import launch_environment, launched_ahead  # noqa: E402
+
 LIMIT = 300  # seconds for the whole launch: a hang fails the test instead of holding the suite
-LAUNCHER_VARIABLES = {"LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 ONE_RANK_SKIPS = {1: (WINDOW_LAST, WINDOW_MIDDLE)}
 EVERYONE_SKIPS = {0: (WINDOW_LAST, WINDOW_MIDDLE), 1: (WINDOW_LAST, WINDOW_MIDDLE)}
 
 
-@pytest.fixture(scope="module")
-def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("skipped_unit")
-    # `timeout -s KILL` kills the whole process group (Lightning's launcher starts rank 1 as rank 0's child). The
-    # environment of a user's shell: an in-process fit of an earlier test leaves LOCAL_RANK, MASTER_PORT, ... in
-    # os.environ, and Lightning would then wait for a rank 1 that an outside launcher was to start
-    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
+def _launch(out: Path) -> Path:
+    # `timeout -s KILL` kills the whole process group (Lightning's launcher starts rank 1 as rank 0's child)
     done = subprocess.run(
         ["timeout", "-s", "KILL", str(LIMIT), sys.executable, str(SCRIPTS / "skipped_unit.py"), str(out)],
         capture_output=True,
         text=True,
         check=False,
-        env=env,
+        env=launch_environment(),
     )
     output = done.stdout + done.stderr
     clues = [line for line in output.splitlines() if any(word in line for word in ("Error", "Traceback", "terminate"))]
     assert done.returncode != 137, f"killed after {LIMIT} s: a rank hung; {clues[-20:]}"
     assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n{output[-4000:]}"
     return out
+
+
+out = launched_ahead("out", _launch)
 
 
 def _records(out: Path, name: str) -> list[dict]:

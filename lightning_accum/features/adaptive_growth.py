@@ -1,12 +1,14 @@
 """Adaptive growth (``adaptive=True``): the factor follows the measured noise scale once the evidence is there.
 
-After each measured window, at the next window's opening, rank zero asks the policy
-(:class:`~lightning_accum.adaptive.AdaptiveFactor`) for the factor the estimate calls for: it grows to the largest
-factor whose batch is at most ``target x`` the noise scale's lower confidence bound, and (with ``shrink``) comes down
-to the smallest one at least ``target x`` its upper bound. Its answer is broadcast, so every rank opens the window
-with the same factor. The factor in force is the larger of the schedule's and the adaptive one.
+After each measured window, at the next window's opening, once enough fresh evidence stands behind the estimate
+(:func:`~lightning_accum.adaptive.ready`), rank zero asks the policy (:class:`~lightning_accum.adaptive.AdaptiveFactor`)
+for the factor the evidence calls for: it grows, at most doubling, to the largest factor whose batch is at most
+``target x`` the noise scale's lower confidence bound, and (with ``shrink``) comes down to the smallest one at least
+``target x`` its upper bound, the confidence spent over the tests made at one factor. Its answer is broadcast, so
+every rank opens the window with the same factor. The factor in force is the larger of the schedule's and the
+adaptive one.
 
-Reads ``ctx.noise`` (published by the noise scale, which checkpoints the estimate it comes from), and at ``FIT_START``
+Reads ``ctx.noise`` (published by the noise scale, which checkpoints the evidence it comes from), and at ``FIT_START``
 ``ctx.run.max_steps``, ``ctx.run.lr_schedulers`` and ``ctx.planned_steps`` (to warn a run bounded by ``max_steps``
 whose LR schedule is moved by samples); raises ``ctx.factor`` and publishes ``ctx.factor_floor`` at ``FIT_START`` and
 ``WINDOW_OPENING``; adds its line to ``ctx.summary`` and its bounds to ``ctx.metrics``.
@@ -17,10 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.adaptive import AdaptiveFactor
+from lightning_accum.adaptive import AdaptiveFactor, Decision, look, ready
 from lightning_accum.events import Context, Feature
 from lightning_accum.sample_driven_lr import SampleDrivenLR
 
@@ -28,13 +30,14 @@ from lightning_accum.sample_driven_lr import SampleDrivenLR
 class AdaptiveGrowth(Feature):
     """Set the accumulation factor from the noise scale and the evidence behind it, within ``max_factor``.
 
-    Logs ``accum/noise_scale_low`` and ``accum/noise_scale_high``: the bounds (at ``confidence``) the decisions act on,
-    once enough measurements stand behind the estimate (the upper one only while it is finite).
+    Logs ``accum/noise_scale_low`` and ``accum/noise_scale_high``: the bounds the next decision acts on (at the
+    confidence it spends), once enough measurements stand behind the estimate (the upper one only while it is finite).
 
     Args:
         target: The wanted effective batch as a multiple of the noise scale.
         max_factor: The largest factor growth may reach.
-        confidence: The one-sided confidence of the bound a change acts on, in ``[0.5, 1)``.
+        confidence: The one-sided confidence of the first test at a factor, in ``[0.5, 1)``; later tests at the same
+            factor spend ``1 - confidence`` between them.
         shrink: Whether the factor may come down again (never below the schedule's).
 
     Raises:
@@ -49,9 +52,11 @@ class AdaptiveGrowth(Feature):
         >>> growth = AdaptiveGrowth(target=1.0, max_factor=16)
         >>> features, ctx = Features([growth]), Context(factor=2)
         >>> estimate = NoiseScaleEstimate(1.0, 100.0, 100.0, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)
-        >>> ctx.noise = NoiseReading(estimate, items=16.0, micro_steps=2, step=1)  # a window of 2 held 16 samples
-        >>> ctx.optimizer_steps = 1; features.dispatch(Event.WINDOW_OPENING, ctx); ctx.factor
-        12
+        >>> for step in range(1, 5):  # four measured windows of 2 micro-batches, 16 samples each
+        ...     ctx.noise, ctx.optimizer_steps = NoiseReading(estimate, 16.0, 2, step, evidence=estimate), step
+        ...     features.dispatch(Event.WINDOW_OPENING, ctx)
+        >>> ctx.factor  # a noise scale of 98 to 102 calls for 12: from 2, at most a doubling at a time
+        4
     """
 
     name = "adaptive"
@@ -64,10 +69,11 @@ class AdaptiveGrowth(Feature):
         self.policy = AdaptiveFactor(target, max_factor, confidence, shrink)  # the decision rule, read-only
         self.factor = 0  # 0 until the policy has set one
         self._decided_at = 0  # the optimizer step of the measured window the latest decision read
+        self._fresh = 0  # windows measured since the factor last changed: the evidence a decision may use
 
     @override
     def reset(self) -> None:
-        self.factor, self._decided_at = 0, 0
+        self.factor, self._decided_at, self._fresh = 0, 0, 0
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -82,30 +88,30 @@ class AdaptiveGrowth(Feature):
             )
         shrinks = ", shrinking too" if self.policy.shrink else ""
         ctx.summary.append(
-            f"adaptive: batch up to {self.policy.target:g} x the noise scale's {self.policy.confidence:.0%} lower"
-            f" bound, factor <= {self.policy.max_factor}{shrinks}"
+            f"adaptive: batch up to {self.policy.target:g} x the noise scale's lower bound (confidence"
+            f" {self.policy.confidence:.0%} at a factor's first test, spent over its later ones), at most doubling,"
+            f" factor <= {self.policy.max_factor}{shrinks}"
         )
 
     @override
     def window_opening(self, ctx: Context) -> None:
         reading = ctx.noise
         if reading is not None and reading.step > self._decided_at:  # a window was measured since the last decision
-            self._decided_at = reading.step
+            self._decided_at, self._fresh = reading.step, self._fresh + 1
             scheduled = ctx.factor
             current = max(scheduled, self.factor)
-            proposal = current
-            if ctx.is_global_zero:
+            proposal, decision = current, None
+            evidence = reading.evidence
+            if ctx.is_global_zero and evidence is not None and ready(self._fresh, evidence.measurements):
                 per_factor = reading.items / max(1, reading.micro_steps)
-                proposal = self.policy.propose(current, per_factor, reading.estimate, floor=scheduled)
+                moment = look(self._fresh, evidence.measurements)
+                decision = self.policy.decide(current, per_factor, evidence, floor=scheduled, look=moment)
+                proposal = current if decision is None else decision.factor
             proposal = int(ctx.broadcast(proposal))  # every rank takes rank zero's decision
             if proposal != current:
-                self.factor = proposal
-                scale = reading.estimate.noise_scale
-                rank_zero_info(
-                    f"AccumulationScheduler: the noise scale ({scale if scale is not None else math.inf:.4g}, from"
-                    f" {reading.estimate.measurements:.1f} measurements) calls for factor {current} -> {proposal} from"
-                    f" optimizer step {ctx.optimizer_steps}"
-                )
+                self.factor, self._fresh = proposal, 0
+                if decision is not None:
+                    ctx.run.print(_decision_line(ctx, current, decision, per_factor, self.policy.target))
         self._apply(ctx)
 
     def _apply(self, ctx: Context) -> None:
@@ -113,7 +119,8 @@ class AdaptiveGrowth(Feature):
 
     @override
     def window_closed(self, ctx: Context) -> None:
-        wanted = self.policy.bounds(ctx.noise.estimate if ctx.noise is not None else None)
+        evidence = ctx.noise.evidence if ctx.noise is not None else None
+        wanted = self.policy.bounds(evidence, look(self._fresh, evidence.measurements) if evidence else 1)
         if wanted is None:
             return
         ctx.metrics["accum/noise_scale_low"] = wanted[0] / self.policy.target
@@ -122,9 +129,26 @@ class AdaptiveGrowth(Feature):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "decided_at": self._decided_at}
+        return {"factor": self.factor, "decided_at": self._decided_at, "fresh": self._fresh}
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.factor = int(state.get("factor", 0))
         self._decided_at = int(state.get("decided_at", state.get("checked_at", 0)))
+        self._fresh = int(state.get("fresh", 0))
+
+
+def _decision_line(ctx: Context, current: int, decision: Decision, per_factor: float, target: float) -> str:
+    """The console line of a change: what changed and from when, the bound that called for it, and the knobs."""
+    if decision.factor > current:
+        bound = f"at least {decision.low / target:.4g}"
+        calls = f"calls for factor {decision.called}"
+        if decision.called > decision.factor:
+            calls += ", taken a doubling at a time, each on fresh evidence"
+    else:
+        bound, calls = f"at most {decision.high / target:.4g}", f"calls for no more than factor {decision.factor}"
+    return (
+        f"AccumulationScheduler: factor {current} -> {decision.factor} (batch {current * per_factor:.0f} ->"
+        f" {decision.factor * per_factor:.0f}) from optimizer step {ctx.optimizer_steps}: the noise scale is {bound}"
+        f" ({decision.confidence:.1%} confident), and adaptive_target={target:g} x that {calls}"
+    )

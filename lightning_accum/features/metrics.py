@@ -4,10 +4,10 @@ Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's val
 with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
 in one call per logger, every ``log_every_n_steps`` optimizer steps (published as ``ctx.log_every`` at ``FIT_START``,
 so that the noise scale measures the logged steps). At ``FIT_START`` it writes the Custom Scalars layout and the
-run's summary line (the other features' phrases joined to its own) to TensorBoard's Text tab and the console;
-whenever a window opens with another factor, effective batch or LR scale, it adds an entry saying what changed, at
-which optimizer step and sample. The progress bar shows the factor and the effective batch as integers, and says
-when a window was cut short (``ctx.run.show_in_progress_bar``).
+run's summary line (the other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line
+of its own above the progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
+LR scale, it adds an entry saying what changed, at which optimizer step and sample. The progress bar shows the factor
+and the effective batch as integers, and says when a window was cut short (``ctx.run.show_in_progress_bar``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import time
 
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_accum.events import Context, Feature
@@ -70,7 +69,7 @@ class Metrics(Feature):
         for logger in ctx.run.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
-        rank_zero_info(f"AccumulationScheduler: {text}")
+        ctx.run.print(f"AccumulationScheduler: {text}")
 
     @override
     def micro_batch_ended(self, ctx: Context) -> None:

@@ -22,7 +22,6 @@ Reads ``ctx.items``, ``ctx.window_items`` (item weighting) and ``ctx.log_every``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,30 +29,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.adaptive import check_evidence
-from lightning_accum.events import Context, Feature
+from lightning_accum.events import Context, Feature, takes_dataloader_iter
 from lightning_accum.items import count_samples
-from lightning_accum.noise import NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
+from lightning_accum.noise import NoiseMeasurement, NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
 from lightning_accum.schedule import check_int
-
-
-@dataclass(frozen=True)
-class NoiseMeasurement:
-    """What one measured window gave the estimator (:meth:`NoiseScaleEstimator.update`'s arguments).
-
-    Attributes:
-        small_sq: The mean squared norm of the micro-batch gradients (each of its micro-batch's mean loss), over the
-            micro-batches that hold items, on every rank.
-        big_sq: The squared norm of the window's gradient, as the optimizer gets it.
-        inverse_small_batch: ``mean(1 / b_i)`` over those micro-batches, ``b_i`` their samples or tokens.
-        big_batch: The items the window's gradient is the mean over.
-        micro_batches: The micro-batches behind ``small_sq``.
-    """
-
-    small_sq: float
-    big_sq: float
-    inverse_small_batch: float
-    big_batch: float
-    micro_batches: int
 
 
 class NoiseScale(Feature):
@@ -71,7 +50,8 @@ class NoiseScale(Feature):
             Windows whose step is logged are measured too.
         adaptive: Adaptive growth acts on the estimate: on one process a measured window of one loader batch runs as
             its two halves, so that factor 1 has two gradients to compare (the loss must be a mean over the batch's
-            rows), and the averages must be able to hold the evidence it needs.
+            rows); the measurements are also averaged per measured window, the evidence its decisions read
+            (``NoiseReading.evidence``), and ``decay`` must let those averages hold enough of it.
 
     Raises:
         TypeError: If ``interval`` is not an integer.
@@ -102,7 +82,9 @@ class NoiseScale(Feature):
         self.interval = check_int("noise_scale_interval", interval, minimum=1)
         self.adaptive = adaptive
         if adaptive:
-            check_evidence(self._estimator.decay, self.interval)
+            check_evidence(self._estimator.decay)
+        # adaptive growth's evidence: the same measurements, averaged per measured window (adaptive.py says why)
+        self._evidence = NoiseScaleEstimator(decay) if adaptive else None
         self.measurement: NoiseMeasurement | None = None  # the latest window's, this fit
         self._warned = False  # whether windows whose gradients came in parts were warned of
         self._batch: tuple[float, int] | None = None  # (items, micro-steps) of the latest measured window
@@ -125,6 +107,7 @@ class NoiseScale(Feature):
     @override
     def reset(self) -> None:
         self._estimator = NoiseScaleEstimator(self._estimator.decay)
+        self._evidence = NoiseScaleEstimator(self._estimator.decay) if self.adaptive else None
         self.measurement, self._batch, self._step = None, None, 0
 
     @override
@@ -145,23 +128,31 @@ class NoiseScale(Feature):
         # one process: a window of one loader batch has a single gradient, so measured ones are split in two halves
         one_batch = ctx.world_size == 1 and (ctx.schedule is None or ctx.schedule.min_factor == 1)
         self._halves = self.adaptive and one_batch and not ctx.splitting
+        self._check_halves(ctx)
+        ctx.noise_parts = 2 if self._halves else 1
+
+    def _check_halves(self, ctx: Context) -> None:
+        """No halves where a loader batch cannot be split (at fit start, or once a step is found to couple its rows)."""
         if self._halves and not ctx.can_split:
             self._halves = False
+            why = "`training_step(self, dataloader_iter)` fetches its own batches"
+            if not takes_dataloader_iter(ctx.module):
+                why = "the training step couples its batch's rows (`lightning_accum.cached`): its batch is never split"
             rank_zero_warn(
-                "AccumulationScheduler: `training_step(self, dataloader_iter)` fetches its own batches, so a window of"
-                " one micro-batch cannot be measured in two halves: the noise scale is measured only on windows of"
-                " factor 2 or more"
+                f"AccumulationScheduler: {why}, so a window of one loader batch cannot be measured in two halves: the"
+                " noise scale is measured only on windows of factor 2 or more"
             )
-        ctx.noise_parts = 2 if self._halves else 1
 
     def _reading(self) -> NoiseReading | None:
         if self._batch is None:
             return None
-        return NoiseReading(self._estimator.estimate, self._batch[0], self._batch[1], self._step)
+        evidence = self._evidence.estimate if self._evidence is not None else None
+        return NoiseReading(self._estimator.estimate, self._batch[0], self._batch[1], self._step, evidence)
 
     @override
     def window_opened(self, ctx: Context) -> None:
         self._release()  # a window dropped before its step leaves nothing behind
+        self._check_halves(ctx)
         step = ctx.optimizer_steps + 1  # the step this window ends in
         measured = step % self.interval == 0 or (ctx.log_every > 0 and step % ctx.log_every == 0)
         ctx.noise_parts = 2 if measured and self._halves and ctx.window.size == 1 else 1
@@ -250,6 +241,8 @@ class NoiseScale(Feature):
         step = ctx.optimizer_steps + 1  # the step this window ends in; the averages decay per step since the last
         if self._estimator.update(small_sq, big_sq, inverse_small, big, steps=step - self._step) is not None:
             self._batch, self._step = (big, ctx.window.taken), step
+            if self._evidence is not None:
+                self._evidence.update(small_sq, big_sq, inverse_small, big, steps=1)
         ctx.noise = self._reading()
 
     @override
@@ -280,11 +273,16 @@ class NoiseScale(Feature):
     def state_dict(self) -> dict[str, Any]:
         items, micro_steps = self._batch if self._batch is not None else (None, None)
         batch = {"batch_items": items, "batch_micro_steps": micro_steps, "step": self._step}
-        return {**self._estimator.state_dict(), **batch}
+        evidence = {"evidence": self._evidence.state_dict()} if self._evidence is not None else {}
+        return {**self._estimator.state_dict(), **batch, **evidence}
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._estimator.load_state_dict(state)
+        if self._evidence is not None:  # a checkpoint without it (written without adaptive growth) starts from none
+            self._evidence = NoiseScaleEstimator(self._estimator.decay)
+            if "evidence" in state:
+                self._evidence.load_state_dict(state["evidence"])
         items, micro_steps = state.get("batch_items"), state.get("batch_micro_steps")
         self._batch = None if items is None or micro_steps is None else (float(items), int(micro_steps))
         self._step = int(state.get("step", 0))

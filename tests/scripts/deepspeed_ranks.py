@@ -1,11 +1,14 @@
 """Train the tiny regression model under DeepSpeed on 2 CPU processes (gloo), as a user would, and record it.
 
-    python tests/scripts/deepspeed_ranks.py runs STAGE OUT_DIR     # the configurations of CONFIGS (and STAGE_2)
-    python tests/scripts/deepspeed_ranks.py killed STAGE OUT_DIR   # the same, then checkpoints and SIGKILL mid-window
-    python tests/scripts/deepspeed_ranks.py resume STAGE OUT_DIR   # resume from each checkpoint the killed run wrote
+    python tests/scripts/deepspeed_ranks.py OUT_DIR COMMAND:STAGE ...   # each in turn, in the same two processes
 
-``Trainer(devices=2)`` launches the second process itself. Each configuration runs with a fresh Trainer and model;
-every rank writes ``OUT_DIR/<name>.rank<r>.json``: Lightning's ``global_step``, DeepSpeed's ``global_steps`` and
+    runs:S     the configurations of CONFIGS (and STAGE_2) under ZeRO stage S
+    killed:S   the same, then checkpoints and SIGKILL mid-window (so it comes last)
+    resume:S   resume from each checkpoint the killed run of stage S wrote
+
+``Trainer(devices=2)`` launches the second process itself; a process costs seconds of imports, so one launch runs
+several stages. Each configuration runs with a fresh Trainer and model; every rank writes
+``OUT_DIR/zero<S>/<name>.rank<r>.json``: Lightning's ``global_step``, DeepSpeed's ``global_steps`` and
 ``global_samples``, the micro-steps, and (rank 0) the final full fp32 weights. DeepSpeed's ``deepspeed_shm_comm`` op
 is switched off before it is built (it needs g++ and 90 s), so collectives run on plain gloo.
 """
@@ -146,7 +149,15 @@ STAGE_2 = {
 
 
 def main() -> None:
-    command, stage, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    root = Path(sys.argv[1])
+    for step in sys.argv[2:]:
+        command, stage = step.split(":")
+        run(command, int(stage), root / f"zero{stage}")
+    os._exit(0)  # torch 2.13's gloo may abort a worker at interpreter exit, after the records are written
+
+
+def run(command: str, stage: int, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     if command in ("runs", "killed"):
         configs = CONFIGS | (STAGE_2 if stage == 2 else {})
         for name, options in configs.items():
@@ -159,7 +170,6 @@ def main() -> None:
         for written in ("boundary", "mid"):
             ckpt = str(out / "killed" / written)
             fit(stage, f"resumed_{written}", out, ckpt_path=ckpt, args={"scheduling": {0: 3}})
-    os._exit(0)  # torch 2.13's gloo may abort a worker at interpreter exit, after the records are written
 
 
 def _int_keys(mapping: dict[str, Any]) -> dict[Any, Any]:

@@ -5,8 +5,9 @@ drives the strategy's public context manager by hand, as Lightning's loop does, 
 
     python tests/scripts/fsdp1_sync.py OUT_DIR
 
-For gradient_sync "last" and "every" it writes ``OUT_DIR/<policy>.json`` (rank 0): reduce-scatters counted with
-torch.profiler, optimizer steps, micro-steps and the final full weights.
+For gradient_sync "last" and "every", one after the other in the same two processes, it writes
+``OUT_DIR/<policy>.json`` (rank 0): reduce-scatters counted with torch.profiler, optimizer steps, micro-steps and the
+final full weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +35,24 @@ from lightning_accum import FSDPAccumulationStrategy  # noqa: E402
 WINDOWS = [3, 3, 2, 3, 3, 2]  # factor 3 over two epochs of 8 micro-steps
 
 
-def worker(rank: int, policy: str, out: Path, port: int) -> None:
+def worker(rank: int, out: Path, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
+    for policy in ("last", "every"):
+        record = train(rank, policy)
+        if rank == 0:
+            (out / f"{policy}.json").write_text(json.dumps(record))
+    dist.destroy_process_group()
+    # torch 2.13 can abort at interpreter exit after a profiled gloo run on a loaded machine ("terminate called
+    # without an active exception": a C++ thread still joinable when static objects are destroyed); everything this
+    # worker had to do is done and written, so leave without running those destructors
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def train(rank: int, policy: str) -> dict[str, Any]:
+    """A fresh FSDP1 model trained in windows of WINDOWS under ``policy``: what rank 0 records."""
     model = FullyShardedDataParallel(
         make_net(), device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear})
     )
@@ -72,28 +89,18 @@ def worker(rank: int, policy: str, out: Path, port: int) -> None:
             name.replace("_fsdp_wrapped_module.", ""): param.detach().flatten().tolist()
             for name, param in model.named_parameters()
         }
-    if rank == 0:
-        record = {
-            "reduce_scatters": names["c10d::_reduce_scatter_base_"],
-            "optimizer_steps": steps,
-            "micro_steps": position,
-            "weights": weights,
-        }
-        (out / f"{policy}.json").write_text(json.dumps(record))
-    dist.destroy_process_group()
-    # torch 2.13 can abort at interpreter exit after a profiled gloo run on a loaded machine ("terminate called
-    # without an active exception": a C++ thread still joinable when static objects are destroyed); everything this
-    # worker had to do is done and written, so leave without running those destructors
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return {
+        "reduce_scatters": names["c10d::_reduce_scatter_base_"],
+        "optimizer_steps": steps,
+        "micro_steps": position,
+        "weights": weights,
+    }
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    for offset, policy in enumerate(("last", "every")):
-        mp.spawn(worker, args=(policy, out, 29600 + os.getpid() % 1000 + offset), nprocs=2)
+    mp.spawn(worker, args=(out, 29600 + os.getpid() % 1000), nprocs=2)
 
 
 if __name__ == "__main__":

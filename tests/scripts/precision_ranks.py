@@ -1,7 +1,7 @@
 """One window of 32 bfloat16 micro-batches on 2 CPU processes (gloo); record the gradient the optimizer sees.
 
-    python tests/scripts/precision_ranks.py ddp OUT_DIR
-    python tests/scripts/precision_ranks.py fsdp2 OUT_DIR
+    python tests/scripts/precision_ranks.py ddp,fsdp2 OUT_DIR   # DDP's configurations, then FSDP2's
+    python tests/scripts/precision_ranks.py fsdp2 OUT_DIR       # FSDP2's only
 
 Each rank trains on its own half of the data in order (no DistributedSampler), so micro-step j of rank r holds
 samples ``r * 128 + 4j ...``. For each configuration every rank writes ``OUT_DIR/<name>.rank<r>.json``: the full
@@ -140,11 +140,12 @@ def run(name: str, out: Path) -> None:
 
 
 def main() -> None:
-    backend, out = sys.argv[1], Path(sys.argv[-1])
+    backends, out = sys.argv[1].split(","), Path(sys.argv[-1])
     out.mkdir(parents=True, exist_ok=True)
-    for name, (kind, *_) in CONFIGS.items():
-        if kind.startswith("ddp") == (backend == "ddp"):
-            run(name, out)
+    for backend in backends:  # in the same two processes: a process costs seconds of imports
+        for name, (kind, *_) in CONFIGS.items():
+            if kind.startswith("ddp") == (backend == "ddp"):
+                run(name, out)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as two_ranks.py: skip torch's exit-time teardown after gloo

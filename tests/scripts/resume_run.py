@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_accum import AccumulationScheduler, SampleDrivenLR, estimated_stepping_batches  # noqa: E402
+from lightning_accum import AccumulationScheduler, SampleDrivenLR, cached, estimated_stepping_batches  # noqa: E402
 from tests.helpers import (  # noqa: E402
     DictDataset,
     RegressionModule,
@@ -54,6 +54,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         adaptive=True,
         adaptive_target=64.0,
         adaptive_max_factor=8,
+        adaptive_confidence=0.6,  # grows 2 -> 4 at step 8, just before the kill, on fresh evidence that is state too
         lr_scaling="linear",
     ),
     # from factor 1: measured windows run as two halves; the factor grows and comes down again
@@ -69,6 +70,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         lr_scaling="sqrt",
     ),
     "token": dict(scheduling={0: 3, 1: 2}, normalize_by="token"),
+    # a loss that couples its batch's rows (lightning_accum.cached): loader batches are never split, chunks of 2
+    "coupled": dict(scheduling={0: 3}, micro_batch_size=2),
     "token_unit": dict(scheduling={0: 1, 30: 3, 120: 2}, unit="token"),
     "token_ramp": dict(target_batch_size=16, ramp_start_batch_size=4, ramp_increment=4, ramp_samples=90, unit="token"),
     "everything": dict(
@@ -99,6 +102,15 @@ class TokenModule(RegressionModule):
         return token_loss(self.net, batch["features"], batch["labels"])
 
 
+class CoupledModule(RegressionModule):
+    """A contrastive loss over the batch: each row's score against every row's target, the row's own the positive."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = cached(self.net, x) @ y.T
+        return nn.functional.cross_entropy(logits, torch.arange(len(x)))
+
+
 def _tokens(name: str) -> bool:
     return CONFIGS[name].get("normalize_by") == "token" or CONFIGS[name].get("unit") == "token"
 
@@ -109,6 +121,8 @@ def make_module(name: str, seed: int = 1) -> pl.LightningModule:
         module: pl.LightningModule = TokenModule(seed=seed)
     elif name.startswith("adaptive"):
         module = SampleDrivenModule(seed=seed)
+    elif name == "coupled":
+        module = CoupledModule(seed=seed)
     else:
         module = RegressionModule(seed=seed)
     return module

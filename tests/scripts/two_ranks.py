@@ -1,16 +1,15 @@
 """Train the tiny regression model on 2 CPU processes (gloo), as a user would, and record what happened.
 
-    python tests/scripts/two_ranks.py ddp OUT_DIR
-    python tests/scripts/two_ranks.py fsdp2 OUT_DIR
-    python tests/scripts/two_ranks.py fsdp1 OUT_DIR      # needs 2 CUDA devices (Lightning's FSDPStrategy)
-    python tests/scripts/two_ranks.py ddp disagree OUT_DIR   # only the configurations whose names start so
+    python tests/scripts/two_ranks.py ddp,fsdp2 OUT_DIR     # DDP's configurations, then FSDP2's
+    python tests/scripts/two_ranks.py fsdp1 OUT_DIR         # needs 2 CUDA devices (Lightning's FSDPStrategy)
+    python tests/scripts/two_ranks.py ddp disagree OUT_DIR  # only the configurations whose names start so
 
 Lightning launches the second process itself (devices=2). One launch runs several configurations one after another,
-each with a fresh Trainer and model: stock Lightning, the accumulation strategy with gradient_sync "last" and
-"every", a factor schedule, and manual optimization with ManualAccumulation. For each, every rank writes
-``OUT_DIR/<name>.rank<r>.json``: the gradient collectives it issued (DDP: calls of a counting comm hook, with the
-bucket index; FSDP2: ``c10d::_reduce_scatter_base_`` events of torch.profiler), the optimizer steps, the micro-steps,
-and (rank 0) the final full weights.
+each with a fresh Trainer and model, for each backend named (a process costs seconds of imports): stock Lightning,
+the accumulation strategy with gradient_sync "last" and "every", a factor schedule, and manual optimization with
+ManualAccumulation. For each, every rank writes ``OUT_DIR/<backend>/<name>.rank<r>.json``: the gradient collectives
+it issued (DDP: calls of a counting comm hook, with the bucket index; FSDP2: ``c10d::_reduce_scatter_base_`` events of
+torch.profiler), the optimizer steps, the micro-steps, and (rank 0) the final full weights.
 """
 
 from __future__ import annotations
@@ -410,11 +409,13 @@ CONFIGS = {
 
 
 def main() -> None:
-    backend, out, only = sys.argv[1], Path(sys.argv[-1]), sys.argv[2:-1]
-    out.mkdir(parents=True, exist_ok=True)
-    for name, options in CONFIGS.items():
-        if not only or any(name.startswith(prefix) for prefix in only):
-            run(backend, name, out=out, **options)
+    backends, root, only = sys.argv[1].split(","), Path(sys.argv[-1]), sys.argv[2:-1]
+    for backend in backends:
+        out = root / backend
+        out.mkdir(parents=True, exist_ok=True)
+        for name, options in CONFIGS.items():
+            if not only or any(name.startswith(prefix) for prefix in only):
+                run(backend, name, out=out, **options)
     # every record is written: leave without the interpreter's C++ teardown, which torch 2.13 can abort on a loaded
     # machine after gloo runs ("terminate called without an active exception"; see fsdp1_sync.py)
     sys.stdout.flush()

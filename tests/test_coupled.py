@@ -1,0 +1,405 @@
+"""cached() and all_gather_with_grad() against a plain big-batch step of a dual encoder with an InfoNCE loss.
+
+The reference never imports lightning_accum: one forward of the whole batch with grad, ``loss.backward()``, one SGD
+step; with dropout, the same chunks forwarded with grad in the same order from the same seed. The two-rank check runs
+on two CPU processes (gloo) and compares with the single-process big batch of both ranks' rows.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from lightning_accum import coupled
+from lightning_accum.coupled import add_listener, all_gather_with_grad, cached
+from tests.helpers import launched_ahead
+
+IN_FEATURES, WIDTH, OUT_FEATURES, BATCH = 6, 32, 8, 24
+LR = 0.1
+
+
+class Tower(nn.Module):
+    def __init__(self, dropout: float = 0.0, width: int = WIDTH, in_features: int = IN_FEATURES) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(in_features, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, OUT_FEATURES)
+        )
+        self.norm = nn.LayerNorm(OUT_FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.net(x))
+
+
+class DualEncoder(nn.Module):
+    def __init__(self, dropout: float = 0.0, shared: bool = False, width: int = WIDTH, in_features: int = IN_FEATURES):
+        super().__init__()
+        torch.manual_seed(0)
+        self.query = Tower(dropout, width, in_features)
+        self.document = self.query if shared else Tower(dropout, width, in_features)
+        self.log_temperature = nn.Parameter(torch.tensor(0.5))
+
+
+def info_nce(queries: torch.Tensor, documents: torch.Tensor, log_temperature: torch.Tensor) -> torch.Tensor:
+    logits = queries @ documents.T * log_temperature.exp()
+    return nn.functional.cross_entropy(logits, torch.arange(len(queries)))
+
+
+def make_batch(rows: int = BATCH, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(rows, IN_FEATURES, generator=generator, dtype=dtype) for _ in range(2))  # type: ignore[return-value]
+
+
+def step(model: nn.Module, loss: Callable[[Any], torch.Tensor]) -> tuple[dict[str, torch.Tensor], ...]:
+    """The gradients of ``loss(model)`` and the weights after one SGD step on them."""
+    model.zero_grad()
+    loss(model).backward()
+    grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return grads, {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def deviation(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def big_batch(q: torch.Tensor, d: torch.Tensor) -> Callable[[Any], torch.Tensor]:
+    return lambda m: info_nce(m.query(q), m.document(d), m.log_temperature)
+
+
+def with_cache(q: torch.Tensor, d: torch.Tensor, chunk_size: int | None) -> Callable[[Any], torch.Tensor]:
+    return lambda m: info_nce(
+        cached(m.query, q, chunk_size=chunk_size), cached(m.document, d, chunk_size=chunk_size), m.log_temperature
+    )
+
+
+def chunked_with_grad(q: torch.Tensor, d: torch.Tensor, chunk_size: int) -> Callable[[Any], torch.Tensor]:
+    """The chunks forwarded with grad, in cached()'s order: the same random draws as its first pass."""
+
+    def loss(m: Any) -> torch.Tensor:
+        queries = torch.cat([m.query(part) for part in q.split(chunk_size)])
+        documents = torch.cat([m.document(part) for part in d.split(chunk_size)])
+        return info_nce(queries, documents, m.log_temperature)
+
+    return loss
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, None])
+def test_the_step_is_the_big_batchs_in_float32(chunk_size):
+    q, d = make_batch()
+    _, expected = step(DualEncoder(), big_batch(q, d))
+    _, found = step(DualEncoder(), with_cache(q, d, chunk_size))
+    assert deviation(found, expected) <= 1e-6
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16])
+def test_the_gradient_is_the_big_batchs_in_float64(chunk_size):
+    """Float32 sums rows in another order per chunk (gradients of ~10 differ by a few 1e-6); float64 shows it exact."""
+    q, d = make_batch(dtype=torch.float64)
+    expected, _ = step(DualEncoder().double(), big_batch(q, d))
+    found, _ = step(DualEncoder().double(), with_cache(q, d, chunk_size))
+    assert deviation(found, expected) <= 1e-12
+
+
+def seeded_step(model: nn.Module, loss: Callable[[Any], torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """The weights after one step from seed 5, and the next random number drawn after it."""
+    torch.manual_seed(5)
+    return step(model, loss)[1], torch.rand(1).item()
+
+
+def test_with_dropout_the_replay_draws_the_first_passs_masks(monkeypatch):
+    q, d = make_batch()
+    expected, after = seeded_step(DualEncoder(dropout=0.1), chunked_with_grad(q, d, 7))
+    found, found_after = seeded_step(DualEncoder(dropout=0.1), with_cache(q, d, 7))
+    assert deviation(found, expected) <= 1e-6
+    assert found_after == after, "the replay leaves the random state as the forward left it"
+
+    monkeypatch.setattr(coupled, "_restore_rng", lambda *_: None)
+    unrestored, _ = seeded_step(DualEncoder(dropout=0.1), with_cache(q, d, 7))
+    assert deviation(unrestored, expected) > 1e-4
+
+
+def test_a_tower_shared_by_queries_and_documents_gets_the_sum_of_both():
+    q, d = make_batch()
+    _, expected = step(DualEncoder(shared=True), big_batch(q, d))
+    _, found = step(DualEncoder(shared=True), with_cache(q, d, 5))
+    assert deviation(found, expected) <= 1e-6
+
+
+def test_each_parameter_accumulates_once_per_backward():
+    """One post-accumulate-grad call each (DDP's reducer marks a parameter ready once), with 3 chunks and a tower
+    used twice: the replay's torch.autograd.grad accumulates nothing itself."""
+    model = DualEncoder(shared=True)
+    calls = {name: 0 for name, _ in model.named_parameters()}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(lambda _, name=name: calls.__setitem__(name, calls[name] + 1))
+    q, d = make_batch()
+    with_cache(q, d, 8)(model).backward()
+    assert calls == dict.fromkeys(calls, 1)
+
+
+class DictTower(nn.Module):
+    """Takes a dict of token ids and mask; returns a dict holding a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(20, OUT_FEATURES)
+        self.proj = nn.Linear(OUT_FEATURES, OUT_FEATURES)
+
+    def forward(self, batch: dict[str, torch.Tensor], pool: str = "first", scale: float = 1.0) -> dict[str, Any]:
+        tokens = self.proj(self.embed(batch["ids"])) * scale
+        mask = batch["mask"].unsqueeze(-1)
+        pooled = (tokens * mask).sum(1) / mask.sum(1) if pool == "mean" else tokens[:, 0]
+        return {"pooled": pooled, "extra": (tokens, batch["mask"])}
+
+
+def test_dict_inputs_nested_outputs_and_non_tensor_arguments():
+    generator = torch.Generator().manual_seed(2)
+    queries = {"ids": torch.randint(20, (BATCH, 5), generator=generator), "mask": torch.ones(BATCH, 5)}
+    queries["mask"][::3, 3:] = 0
+    documents = {"ids": torch.randint(20, (BATCH, 5), generator=generator), "mask": torch.ones(BATCH, 5)}
+
+    def loss(tower: nn.Module, run: Callable[..., Any]) -> torch.Tensor:
+        q, d = run(tower, queries, pool="mean", scale=2.0), run(tower, documents, pool="mean", scale=2.0)
+        assert isinstance(q, dict)
+        assert isinstance(q["extra"], tuple)
+        assert torch.equal(q["extra"][1], queries["mask"])
+        return info_nce(q["pooled"], d["pooled"], torch.tensor(0.0)) + q["extra"][0].pow(2).mean()
+
+    _, expected = step(DictTower(), lambda tower: loss(tower, lambda t, *a, **k: t(*a, **k)))
+    _, found = step(DictTower(), lambda tower: loss(tower, lambda t, *a, **k: cached(t, *a, chunk_size=7, **k)))
+    assert deviation(found, expected) <= 1e-6
+
+
+def test_inputs_that_require_grad_get_their_gradient_through_the_cache():
+    """A tower fed by a layer outside it (cut by rows) and by a scalar it shares (whole to every chunk)."""
+    q, d = make_batch(dtype=torch.float64)
+
+    def loss(m: Any, run: Callable[..., torch.Tensor]) -> torch.Tensor:
+        scale = m.log_temperature.exp()
+        return info_nce(run(m.query, m.stem(q) * scale), run(m.document, m.stem(d)), torch.tensor(0.0))
+
+    def model() -> nn.Module:
+        encoder = DualEncoder()
+        encoder.stem = nn.Linear(IN_FEATURES, IN_FEATURES)
+        return encoder.double()
+
+    expected, _ = step(model(), lambda m: loss(m, lambda t, x: t(x)))
+    found, _ = step(model(), lambda m: loss(m, lambda t, x: cached(t, x, chunk_size=5)))
+    assert deviation(found, expected) <= 1e-12
+
+
+class ScaledTower(Tower):
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * scale
+
+
+def test_a_shared_scalar_input_gets_the_sum_over_chunks():
+    q, d = make_batch(dtype=torch.float64)
+    grads = []
+    for run in (lambda t, x, s: t(x, s), lambda t, x, s: cached(t, x, s, chunk_size=5)):
+        torch.manual_seed(0)
+        tower = ScaledTower().double()
+        scale = torch.tensor(1.5, dtype=torch.float64, requires_grad=True)
+        info_nce(run(tower, q, scale), tower(d, torch.tensor(1.0)), torch.tensor(0.0)).backward()
+        grads.append(scale.grad)
+    assert abs(grads[0] - grads[1]) <= 1e-12
+
+
+@pytest.mark.parametrize("backward_under", ["no autocast", "autocast"])
+def test_the_replay_runs_under_the_autocast_state_of_the_first_pass(backward_under):
+    """Lightning's precision plugin leaves autocast before backward: the replay takes up the forward's state again
+    (bfloat16 on CPU here), and a backward under autocast does not turn a float32 forward into bfloat16."""
+    q, d = make_batch()
+    model, dtypes = DualEncoder(), []
+    model.query.net[0].register_forward_hook(lambda *args: dtypes.append(args[2].dtype))
+    backward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=backward_under == "autocast")
+    for forward_enabled in (True, False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=forward_enabled):
+            loss = with_cache(q, d, 8)(model)
+        with backward:
+            loss.backward()
+    assert dtypes == [torch.bfloat16] * 6 + [torch.float32] * 6  # 3 chunks, first pass and replay, twice
+
+
+def test_under_autocast_the_gradient_is_the_chunks_with_grad_to_bfloat16_precision():
+    """The reference sums the chunks' bfloat16 weight gradients in bfloat16, the cache in float32: a few ulps apart."""
+    q, d = make_batch()
+    grads = []
+    for loss in (chunked_with_grad(q, d, 8), with_cache(q, d, 8)):
+        model = DualEncoder()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            value = loss(model)
+        value.backward()
+        grads.append({name: param.grad for name, param in model.named_parameters()})
+    largest = max(grad.abs().max().item() for grad in grads[0].values())
+    assert deviation(grads[1], grads[0]) <= largest / 64
+
+
+def test_without_grad_the_chunks_run_and_nothing_is_kept():
+    model, (q, _) = DualEncoder(), make_batch()
+    with torch.no_grad():
+        found = cached(model.query, q, chunk_size=5)
+        expected = model.query(q)
+    assert not found.requires_grad
+    assert (found - expected).abs().max().item() <= 1e-6
+
+
+def test_a_listener_hears_each_call_that_builds_a_graph_and_lends_the_chunk_size_of_calls_given_none():
+    sizes: list[int] = []
+    tower = Tower()
+    tower.register_forward_pre_hook(lambda _, args: sizes.append(len(args[0])))
+    q, _ = make_batch()
+    heard: list[tuple[int, int | None]] = []
+    remove = add_listener(lambda rows, chunk: heard.append((rows, chunk)) or 10)
+    try:
+        cached(tower, q)  # lent 10
+        cached(tower, q, chunk_size=12)  # its own
+        with torch.no_grad():
+            cached(tower, q)  # no graph: not heard, one chunk
+    finally:
+        remove()
+    cached(tower, q)  # nobody listens: one chunk
+    assert sizes == [10, 10, 4, 12, 12, 24, 24]
+    assert heard == [(24, None), (24, 12)]
+
+
+def test_batch_norm_in_training_mode_is_refused():
+    tower = nn.Sequential(nn.Linear(IN_FEATURES, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"BatchNorm1d `1` in training mode.*each chunk's.*a second time"):
+        cached(tower, torch.randn(8, IN_FEATURES), chunk_size=4)
+    assert tower[1].num_batches_tracked == 0, "refused before any forward"
+    tower.eval()
+    cached(tower, torch.randn(8, IN_FEATURES), chunk_size=4).sum().backward()
+
+
+def test_tensors_that_disagree_on_rows_are_refused():
+    with pytest.raises(ValueError, match=r"kwargs\['batch'\]\['mask'\] has 5, inputs\[0\] has 6"):
+        cached(DictTower(), torch.zeros(6), batch={"ids": torch.zeros(6, 2), "mask": torch.zeros(5, 2)})
+
+
+@pytest.mark.parametrize("chunk_size", [0, -1, 2.5, True])
+def test_a_chunk_size_that_is_not_a_positive_int_is_refused(chunk_size):
+    with pytest.raises(ValueError, match=rf"`chunk_size` must be a positive int, got {chunk_size}"):
+        cached(Tower(), torch.zeros(6, IN_FEATURES), chunk_size=chunk_size)
+
+
+class Summary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(IN_FEATURES, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        y = self.linear(x)
+        return {"rows": y, "mean": y.mean(0, keepdim=True)}
+
+
+def test_an_output_without_the_chunks_rows_is_refused():
+    with pytest.raises(ValueError, match=r"output\['mean'\] must be a tensor of the chunk's 4 rows, not 1 rows"):
+        cached(Summary(), torch.zeros(6, IN_FEATURES), chunk_size=4)
+
+
+def saved_bytes(forward: Callable[[], Any]) -> int:
+    """The bytes of the tensors autograd saves for backward while ``forward()`` runs."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return total
+
+
+def test_the_towers_keep_no_activations():
+    """Width 512, batch 256, chunks of 16: the cache keeps only its inputs (for the replay), the big batch every
+    layer's activations; the loss's own (its 256 x 256 logits) are the same in both."""
+    model, q, d = DualEncoder(width=512, in_features=16), torch.randn(256, 16), torch.randn(256, 16)
+    big_towers = saved_bytes(lambda: (model.query(q), model.document(d)))
+    cached_towers = saved_bytes(
+        lambda: (cached(model.query, q, chunk_size=16), cached(model.document, d, chunk_size=16))
+    )
+    assert cached_towers == q.nbytes + d.nbytes
+    assert cached_towers < big_towers / 4
+    big_total = saved_bytes(lambda: big_batch(q, d)(model))
+    cached_total = saved_bytes(lambda: with_cache(q, d, 16)(model))
+    assert cached_total < big_total / 3
+
+
+def test_without_a_process_group_the_tensor_itself_is_returned():
+    assert not dist.is_initialized()
+    tensor = torch.randn(3, 2, requires_grad=True)
+    assert all_gather_with_grad(tensor) is tensor
+
+
+# ------------------------------------------------------------------ two ranks (gloo)
+
+HALF = BATCH // 2
+
+
+def _rank(rank: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model, (q, d) = DualEncoder(), make_batch()
+        rows = slice(rank * HALF, (rank + 1) * HALF)
+        queries = all_gather_with_grad(cached(model.query, q[rows], chunk_size=5))
+        documents = all_gather_with_grad(model.document(d[rows]))
+        info_nce(queries, documents, model.log_temperature).backward()
+        for param in model.parameters():  # what DDP does
+            dist.all_reduce(param.grad)
+            param.grad /= 2
+        try:
+            all_gather_with_grad(torch.zeros(3 + rank, 2))
+            error = ""
+        except ValueError as raised:
+            error = str(raised)
+        grads = {name: param.grad for name, param in model.named_parameters()}
+        torch.save({"grads": grads, "error": error}, Path(folder) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(folder: Path) -> Path:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.start_processes(_rank, args=(port, str(folder)), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    try:
+        while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise TimeoutError("the two ranks did not finish within 120 s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return folder
+
+
+two_ranks = launched_ahead("two_ranks", _two_ranks)
+
+
+def test_two_ranks_gathering_with_grad_take_the_big_batchs_step(two_ranks):
+    expected, _ = step(DualEncoder(), big_batch(*make_batch()))
+    for rank in (0, 1):
+        record = torch.load(two_ranks / f"rank{rank}.pt")
+        assert deviation(record["grads"], expected) <= 1e-5
+
+
+def test_ranks_with_unequal_rows_are_refused_on_every_rank(two_ranks):
+    for rank in (0, 1):
+        error = torch.load(two_ranks / f"rank{rank}.pt")["error"]
+        assert error == "all_gather_with_grad() needs the same number of rows on every rank, got rank 0: 3, rank 1: 4"

@@ -1,0 +1,209 @@
+"""``cached`` inside a Lightning fit: windows of coupled batches, clipping, micro_batch_size as the chunk, "auto", the
+noise scale's halves, and the dashboard's values, each against a plain-PyTorch loop over whole batches.
+
+The reference never imports lightning_accum: one SGD step per window on the mean of the window's InfoNCE losses,
+each over its own loader batch (what a window of coupled batches means), optionally with the gradient norm clipped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_accum import AccumulationScheduler, cached
+from lightning_accum._microbatch import MicroBatcher
+from tests.helpers import launch_environment, launched_ahead, trainer
+from tests.test_coupled import IN_FEATURES, LR, DualEncoder, info_nce
+
+ROWS, BATCH = 48, 12
+
+
+def make_pairs(rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(rows, IN_FEATURES, generator=generator)
+    return queries, queries + 0.5 * torch.randn(rows, IN_FEATURES, generator=generator)  # noisy positives
+
+
+class Contrastive(pl.LightningModule):
+    """A dual encoder whose training step runs both towers through ``cached``; records each tower call's rows."""
+
+    def __init__(self, chunk_size: int | None = None, oom_above: int | None = None) -> None:
+        super().__init__()
+        self.model = DualEncoder()
+        self.chunk_size, self.oom_above = chunk_size, oom_above
+        self.rows: list[int] = []  # the rows of each forward of the query tower (first passes and replays)
+        self.model.query.register_forward_pre_hook(lambda _, args: self._forward(len(args[0])))
+
+    def _forward(self, rows: int) -> None:
+        if self.oom_above is not None and rows > self.oom_above:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {rows} rows")
+        self.rows.append(rows)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        q, d = batch
+        queries = cached(self.model.query, q, chunk_size=self.chunk_size)
+        documents = cached(self.model.document, d, chunk_size=self.chunk_size)
+        return info_nce(queries, documents, self.model.log_temperature)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+def reference(windows: list[int], batch: int = BATCH, clip: float | None = None) -> list[torch.Tensor]:
+    """Plain PyTorch: per window, one SGD step on the mean of its batches' InfoNCE losses, each over a whole batch."""
+    model = DualEncoder()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    q, d = make_pairs()
+    batches = [(q[i : i + batch], d[i : i + batch]) for i in range(0, ROWS, batch)]
+    start = 0
+    for size in windows:
+        optimizer.zero_grad()
+        group = batches[start : start + size]
+        start += size
+        loss = sum(info_nce(model.query(bq), model.document(bd), model.log_temperature) for bq, bd in group)
+        (loss / len(group)).backward()
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def fit(module: Contrastive, callback: AccumulationScheduler, **kwargs: Any) -> pl.Trainer:
+    run = trainer([callback], **{"max_epochs": 1, **kwargs})
+    run.fit(module, DataLoader(TensorDataset(*make_pairs()), batch_size=BATCH))
+    return run
+
+
+def deviation(module: Contrastive, expected: list[torch.Tensor]) -> float:
+    return max((p.detach() - e).abs().max().item() for p, e in zip(module.parameters(), expected, strict=True))
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_windows_of_coupled_batches_are_plain_pytorchs_windows_with_and_without_clipping(clip):
+    module = Contrastive(chunk_size=5)
+    run = fit(module, AccumulationScheduler({0: 2}), gradient_clip_val=clip)
+    assert run.global_step == 2
+    assert deviation(module, reference([2, 2], clip=clip)) <= 1e-6
+    assert set(module.rows) == {5, 2}  # chunks of 5, 5 and 2 of each batch of 12, never the whole batch
+
+
+def test_micro_batch_size_is_the_chunk_size_and_the_loader_batch_is_never_split(tmp_path):
+    module = Contrastive()
+    callback = AccumulationScheduler({0: 2}, micro_batch_size=5)
+    fit(module, callback, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    assert deviation(module, reference([2, 2])) <= 1e-6  # the InfoNCE of whole batches of 12: not of parts of 5
+    assert set(module.rows) == {5, 2}  # the first batch's first part stopped before any forward
+    logged = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header, last = logged[0].split(","), logged[-1].split(",")
+    values = {key: value for key, value in zip(header, last, strict=True) if value}
+    assert float(values["accum/coupled_batch"]) == BATCH
+    assert float(values["accum/chunk_size"]) == 5
+    assert float(values["accum/micro_batch_size"]) == BATCH  # a micro-step is the whole loader batch
+
+
+def test_a_split_window_in_progress_is_opened_again_when_the_first_coupled_step_is_found_in_it():
+    """The first part of the first batch stops before any forward; the window opens again; nothing counts twice."""
+    module = Contrastive()
+    callback = AccumulationScheduler({0: 3}, micro_batch_size=4)
+    run = fit(module, callback)
+    assert run.global_step == 2  # windows of 3 and 1 (what is left of the epoch): none dropped, none repeated
+    assert deviation(module, reference([3, 1])) <= 1e-6
+    assert callback.samples_seen == ROWS
+
+
+def test_auto_halves_the_chunk_size_on_out_of_memory_and_stays_exact():
+    module = Contrastive(oom_above=3)
+    callback = AccumulationScheduler({0: 2}, micro_batch_size="auto")
+    fit(module, callback)
+    assert deviation(module, reference([2, 2])) <= 1e-6
+    assert callback._batcher.changes == [(12, 6), (6, 3)]
+    assert max(module.rows) == 3
+
+
+def test_adaptive_from_factor_1_says_once_that_a_coupled_batch_has_no_halves():
+    module = Contrastive(chunk_size=6)
+    callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(module, callback, max_epochs=2)
+    said = [str(w.message) for w in caught if "couples its batch's rows" in str(w.message)]
+    assert len(said) == 1, said
+    assert "measured only on windows of factor 2 or more" in said[0]
+    assert deviation(module, reference([1] * 4)) > 0  # it trained (two epochs: not the one-epoch reference)
+    assert set(module.rows) == {6}  # whole batches of 12, in chunks of 6: never halves of 6 run as micro-batches
+
+
+@pytest.mark.parametrize(
+    "strategy", [lambda: FSDPStrategy(), lambda: ModelParallelStrategy(), lambda: DeepSpeedStrategy(stage=2)]
+)
+def test_a_strategy_that_shards_or_reduces_gradients_itself_is_refused_at_the_first_cached_call(strategy):
+    batcher = MicroBatcher(None, auto=False)
+    made = strategy()
+    batcher.listen(SimpleNamespace(global_step=0, ckpt_path=None, strategy=made))
+    tower = DualEncoder().query
+    before = [p.detach().clone() for p in tower.parameters()]
+    try:
+        with pytest.raises(ValueError, match=rf"cached\(\) under {type(made).__name__}:.*DDPAccumulationStrategy"):
+            cached(tower, make_pairs()[0])
+    finally:
+        batcher.release()
+    assert all(torch.equal(p, b) for p, b in zip(tower.parameters(), before, strict=True))
+    cached(tower, make_pairs()[0])  # released: heard by nobody
+
+
+# ------------------------------------------------------------------ two DDP ranks, global negatives
+
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "coupled_ranks.py"
+
+
+def _launch(out: Path) -> Path:
+    # `timeout -s KILL` kills the whole process group (Lightning's launcher starts rank 1 as rank 0's child)
+    done = subprocess.run(
+        ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), str(out)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=launch_environment(),
+    )
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return out
+
+
+coupled_ranks = launched_ahead("coupled_ranks", _launch)
+
+
+def _records(out: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_global_negatives_on_two_ddp_ranks_are_the_single_process_step_on_the_global_batch(coupled_ranks):
+    ranks = _records(coupled_ranks, "global")
+    expected = dict(zip(DualEncoder().state_dict(), reference([2, 2]), strict=True))
+    for record in ranks:
+        assert "error" not in record, record["error"]
+        assert record["steps"] == 2
+        found = {key: torch.tensor(value) for key, value in record["weights"].items()}
+        assert max((found[key] - expected[key]).abs().max().item() for key in expected) <= 1e-5
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # identical, not just close
+    buckets = len(set(ranks[0]["allreduces"]))
+    assert len(ranks[0]["allreduces"]) == 2 * buckets  # one reduction per optimizer step, none per micro-step
+
+
+def test_ranks_with_unequal_batches_raise_the_same_error_on_every_rank(coupled_ranks):
+    ranks = _records(coupled_ranks, "unequal")
+    assert [record.get("error") for record in ranks] == [ranks[0].get("error")] * 2
+    assert "rank 0: 6, rank 1: 5" in ranks[0]["error"]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 0
