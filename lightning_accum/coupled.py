@@ -291,7 +291,7 @@ def _accumulate(
     if grad is None:
         return total
     if rows is None:
-        return grad if total is None else total + grad
+        return grad if total is None else total.add_(grad)  # autograd.grad returned fresh tensors: ours to add to
     total = torch.zeros_like(whole) if total is None else total
     total[rows[0] : rows[1]] = grad
     return total

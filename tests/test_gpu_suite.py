@@ -60,7 +60,7 @@ def test_the_dry_suite_runs_every_part_and_every_check_holds_without_deepspeed(d
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
     parts = results["parts"]
-    assert list(parts) == ["exactness", "oom", "fsdp", "memory_metrics", "experiment", "overhead"]
+    assert list(parts) == ["exactness", "oom", "fsdp", "memory_metrics", "coupled_memory", "experiment", "overhead"]
     assert {name: part["status"] for name, part in parts.items()} == dict.fromkeys(parts, "ok")
     assert results["environment"]["mode"] == "dry (tiny sizes)"
     assert results["environment"]["device"].startswith("no CUDA device")

@@ -1,4 +1,4 @@
-"""The GPU suite: six measurements on one CUDA device, each in a process of its own under its own time budget.
+"""The GPU suite: seven measurements on one CUDA device, each in a process of its own under its own time budget.
 
     bash benchmarks/gpu/run.sh OUTDIR              # on a CUDA machine: about 5 minutes on an H100, 7.5 at most
     bash benchmarks/gpu/run.sh --dry [OUTDIR]      # tiny sizes on any machine (CUDA-only parts say "skipped")
@@ -18,12 +18,15 @@ the CUDA context, about 10 s):
   out-of-memory retries and a 1024-row probe: about 15 s.
 - fsdp (45 s): 4 fits of 16 micro-steps of a small MLP after one NCCL initialisation: about 20 s.
 - memory_metrics (35 s): one fit of 12 micro-steps: about 15 s.
+- coupled_memory (30 s): a dual encoder (two towers of 20M parameters, width 4096) with InfoNCE, at batches of 4096
+  and 16384 rows, as one big batch and through ``cached`` in chunks of 512 and 4096: about 15 steps for memory and
+  exactness and up to 6 rounds of 5 steps for time, each a tenth of a second or less in float32: about 15 s.
 - experiment (160 s): GPT-2 small, a micro-batch of 8 x 1024 tokens is about 7 TFLOP forward and backward (6 x 124M
   parameters x 8192 tokens, plus attention): well under a second, about 0.1 s at TF32 and 0.05 s in bf16. Per
   precision 3 steps x (1 + 2 + 4 + 8 + 16) = 93 accumulated micro-steps, the big batches that fit (about 20
   micro-steps' worth; the first out-of-memory error ends the rest) and 18 model builds and Trainer starts of about
   2 s: about 60 s for both precisions. Rows that would start past the budget are reported as not run.
-- overhead (110 s): 4 configurations, a warm-up fit each and up to 7 rounds: the MLP at a few ms a micro-step (about
+- overhead (80 s): 4 configurations, a warm-up fit each and up to 7 rounds: the MLP at a few ms a micro-step (about
   25 s), GPT-2 small at 8 x 256 tokens in bf16 (about 15 ms a micro-step, 48 micro-steps and 1.5 s of start a fit:
   about 70 s). Rounds stop at the budget: fewer rounds, never a killed part.
 
@@ -58,8 +61,9 @@ PARTS: dict[str, float] = {  # name: budget in seconds (see above); the cheap, d
     "oom": 50,
     "fsdp": 45,
     "memory_metrics": 35,
+    "coupled_memory": 30,
     "experiment": 160,
-    "overhead": 110,
+    "overhead": 80,
 }
 
 
