@@ -29,9 +29,10 @@ and ``"token"`` the item weighting does it.
 
 - a coupled loss (the step calls :func:`lightning_accum.cached`): the loader batch is the batch the loss couples, so
   it is never split; :meth:`MicroBatcher.listen` hears each ``cached`` call and lends it ``size`` as the chunk size. A
-  call inside a part of a split batch (the fit's first, before the first ``cached`` call was heard) stops that part
-  before any forward; the owner opens the window again at this loader batch, and from then on every loader batch
-  goes whole (under ``"auto"`` still through the out-of-memory retries, which halve the chunk size).
+  call inside the first part of a split batch (the fit's first call) stops that part before any forward, and before
+  it began as a micro-batch (a part begins after its ``training_step``); the batch is then trained whole, and so is
+  every later one (under ``"auto"`` still through the out-of-memory retries, which halve the chunk size). The
+  window's earlier loader batches keep what they trained.
 
 Lightning glue: it shadows ``training_step`` on the module instance for the fit and removes the shadow after it.
 """
@@ -69,11 +70,11 @@ class Owner(Protocol):
         its loss is weighed by (``1.0`` where item weighting weighs it).
         """
 
-    def _restart_window(self, trainer: Any, coupled: bool = False) -> None:
-        """Drop the window in progress (and what it holds), open one at this loader batch.
+    def _restart_window(self, trainer: Any) -> None:
+        """Out of memory: drop the window in progress (and what it holds), open one at this loader batch."""
 
-        Out of memory, or (``coupled``) a step found to couple its batch's rows, which is trained whole from now on.
-        """
+    def _couple(self) -> None:
+        """The step couples its batch's rows (it calls ``cached``): no loader batch is split from now on."""
 
 
 class MicroBatcher:
@@ -268,10 +269,16 @@ class MicroBatcher:
             return self._original(batch, *args, **kwargs)
         try:
             return self._train(batch, args, kwargs)
-        except _Coupled:  # the fit's first `cached` call, in a part of a split batch: no weight has changed yet
+        except _Coupled:  # the fit's first `cached` call, in the first part of a split batch: that part never began
             rows = batch_rows(batch) or 1
             self._in_part, self._report, self.coupled = False, (None, None), (rows, self.size or rows)
-            self._owner._restart_window(self._trainer, coupled=True)
+            self._owner._couple()
+            print_line(
+                self._trainer,
+                f"AccumulationScheduler: the training step couples its batch's rows (lightning_accum.cached): loader"
+                f" batches of {rows} are trained whole, never split into micro-batches; cached() runs them in chunks"
+                f" of {self.size or rows} rows unless given chunk_size",
+            )
             return self._train(batch, args, kwargs)
 
     def _train(self, batch: Any, args: Any, kwargs: Any) -> Any:
@@ -346,12 +353,21 @@ class MicroBatcher:
         output: Any = None
         for index, part in enumerate(parts):
             weight = (batch_rows(part) or 1) / (rows or 1)
-            items, share = self._owner._start_micro_batch(part, weight)
             self._in_part = len(parts) > 1
             try:
                 output = self._original(part, *args, **kwargs)
+            except _Coupled:
+                if index:
+                    raise RuntimeError(
+                        f"lightning_accum.cached() was first called in part {index + 1} of a loader batch split into"
+                        f" micro-batches of {size} rows, after its earlier parts had trained: a step that couples its"
+                        " batch's rows must call cached() from the batch's start (or run with micro_batch_size=None)"
+                    ) from None
+                raise
             finally:
                 self._in_part = False
+            # after the step, so that a part `cached` stopped never began: the micro-batch's items and weight
+            items, share = self._owner._start_micro_batch(part, weight)
             loss = _loss_of(output)
             if loss is None:
                 continue  # a skipped micro-batch (training_step returned None)

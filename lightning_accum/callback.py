@@ -318,15 +318,17 @@ class AccumulationScheduler(Callback):
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
 
-    def _restart_window(self, trainer: pl.Trainer, coupled: bool = False) -> None:
-        """Out of memory, or a coupled step: drop the window in progress; this batch opens one (``Owner`` protocol)."""
+    def _restart_window(self, trainer: pl.Trainer) -> None:
+        """Out of memory (``"auto"``): drop the window in progress; this loader batch opens one (``Owner`` protocol)."""
         _drop_unreduced_gradients(trainer)
         ctx, closing = self._ctx, self._ctx.window.closed
-        ctx.can_split = ctx.can_split and not coupled  # a coupled step's loader batch is never split
         ctx.loss = ctx.batch = None  # the failed attempt's graph and batch: nothing may keep them alive
         ctx.window.discard()
         self._open_window(trainer, closing=closing)
         ctx.window.take(ends_epoch=ends_epoch(trainer, ctx.batch_idx))
+
+    def _couple(self) -> None:  # Owner protocol: a step couples its rows (`cached`): no batch is split, nor halved
+        self._ctx.can_split = False
 
     def _open_window(self, trainer: pl.Trainer, closing: bool | None = None) -> None:
         """Open a window at ``ctx.batch_idx``; ``closing`` forces whether this batch ends it (a restart)."""
@@ -335,10 +337,8 @@ class AccumulationScheduler(Callback):
         ctx.optimizer_steps = trainer.global_step  # it changes only at a window's end
         ctx.factor = scheduled_factor(trainer, self._schedule, ctx)
         self._features.dispatch(Event.WINDOW_OPENING, ctx)
-        # what a window can hold, for the LR and the logs
-        ctx.factor = int(min(ctx.factor, trainer.num_training_batches))
-        # a window never spans epochs: the last one holds what is left (when the epoch's length is known)
-        size = min(ctx.factor, trainer.num_training_batches - ctx.batch_idx)
+        ctx.factor = int(min(ctx.factor, trainer.num_training_batches))  # what a window can hold, for the LR and logs
+        size = min(ctx.factor, trainer.num_training_batches - ctx.batch_idx)  # a window never spans epochs
         if closing is not None:  # Lightning decided before training_step whether this batch steps: keep to it
             size = 1 if closing else max(2, size)
         ctx.window.open(int(size))

@@ -21,7 +21,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.func import functional_call
+from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 Listener = Callable[[int, int | None], int | None]
@@ -58,9 +59,10 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
     concatenated along dimension 0. When grad is enabled and a parameter of ``module`` or an input requires grad, the
     result requires grad; its backward replays each chunk with the CPU and device RNG states and the autocast state of
     its first run, and sends the chunk's slice of the incoming gradient through it. The gradients of all chunks are
-    summed and handed to autograd as the gradients of the parameters (and inputs), so each parameter's ``.grad`` is
-    written once per backward, as DDP requires, even for a tower that two ``cached`` calls share. With grad disabled
-    (validation) the chunks run the same way and the concatenation is returned.
+    summed (in float32 where narrower) and handed to autograd as the gradients of the parameters (and inputs), so each
+    parameter's ``.grad`` is written once per backward, as DDP requires, even for a tower that two ``cached`` calls
+    share, and a hook on a parameter sees the summed gradient once (the replay runs on aliases of the parameters).
+    With grad disabled (validation) the chunks run the same way and the concatenation is returned.
 
     Args:
         module: The tower. Its ``BatchNorm`` layers must be in eval mode; only the default generators' random state is
@@ -75,10 +77,11 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
         What ``module`` returns, concatenated over the chunks.
 
     Raises:
-        ValueError: If ``chunk_size`` is not a positive int; if ``module`` holds a ``BatchNorm`` in training mode
-            (its statistics would be each chunk's, and the replay would update its running statistics again); if
-            the tensors disagree on the first dimension; if an output is not a tensor whose first dimension is the
-            chunk's rows.
+        TypeError: If ``module`` is not an ``nn.Module``.
+        ValueError: If ``chunk_size`` is not a positive int; if ``module`` holds a ``BatchNorm`` in training mode or
+            without running statistics (its statistics would be each chunk's), or a norm that updates running
+            statistics in training mode (the replay would update them again); if the tensors disagree on the first
+            dimension; if an output is not a tensor whose first dimension is the chunk's rows.
 
     Example::
 
@@ -89,18 +92,18 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
         >>> tower[0].weight.grad.shape
         torch.Size([16, 8])
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"cached() runs an nn.Module (its parameters get the gradient), got `module={module!r}`: wrap the function"
+            " in a module, or pass the module it calls"
+        )
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
-    for name, layer in module.named_modules():
-        if isinstance(layer, _BatchNorm) and layer.training:
-            raise ValueError(
-                f"cached() cannot run {type(layer).__name__} `{name or type(module).__name__}` in training mode: its"
-                " batch statistics would be each chunk's, and the replay in backward would update its running"
-                " statistics a second time. Put it in eval mode, or use a norm without batch statistics (LayerNorm)"
-            )
+    _check_norms(module)
     leaves, spec = pytree.tree_flatten((inputs, kwargs))
     rows = _rows(inputs, kwargs)
-    params = [param for param in module.parameters() if param.requires_grad]
+    named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+    params = [param for _, param in named]
     tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
     graph = torch.is_grad_enabled() and bool(params or any(tensor.requires_grad for tensor in tensors))
     lent = [listener(rows, chunk_size) for listener in list(_listeners)] if graph else []
@@ -110,6 +113,7 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
         with torch.no_grad():
             return run.unflatten(run.first_pass())
     run.capture_state(tensors + list(module.parameters()) + list(module.buffers()))
+    run.names = [name for name, _ in named]
     flat = _Cached.apply(run, len(tensors), *tensors, *params)
     return run.unflatten(list(flat))
 
@@ -167,6 +171,22 @@ class _Gather(torch.autograd.Function):
         return grad[start : start + ctx.rows] * dist.get_world_size()
 
 
+def _check_norms(module: nn.Module) -> None:
+    """Refuse a norm layer whose output or buffers depend on how the batch is cut into chunks."""
+    for name, layer in module.named_modules():
+        if not isinstance(layer, _NormBase):
+            continue
+        batch_statistics = isinstance(layer, _BatchNorm) and (layer.training or not layer.track_running_stats)
+        if batch_statistics or (layer.training and layer.track_running_stats):
+            mode = "in training mode" if layer.training else "without running statistics"
+            why = "its batch statistics would be each chunk's, and " if batch_statistics else ""
+            raise ValueError(
+                f"cached() cannot run {type(layer).__name__} `{name or type(module).__name__}` {mode}: {why}the"
+                " replay in backward would run it again on each chunk (updating running statistics a second time)."
+                " Put it in eval mode with running statistics, or use a norm without them (LayerNorm)"
+            )
+
+
 def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """The first dimension every tensor in the arguments shares."""
     named = [
@@ -197,6 +217,7 @@ class _Chunks:
     def __init__(self, module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, bounds: list[tuple[int, int]]):
         self.module, self.leaves, self.spec, self.bounds = module, leaves, spec, bounds
         self.output_spec: pytree.TreeSpec | None = None
+        self.names: list[str] = []  # the trainable parameters' names, which the replay runs on aliases of
         self.device_type = "cuda"
         self.representatives: list[torch.Tensor] = []  # one tensor on each device whose RNG state a chunk keeps
         self.autocast: list[tuple[str, dict[str, Any]]] = []
@@ -233,7 +254,7 @@ class _Chunks:
                 what = f"{leaf.shape[0]} rows" if isinstance(leaf, torch.Tensor) and leaf.dim() else repr(leaf)[:60]
                 raise ValueError(
                     f"cached(): the module's output{pytree.keystr(path)} must be a tensor of the chunk's {rows} rows,"
-                    f" not {what}"
+                    f" not {what}: return only per-row tensors (a Hugging Face model: pass use_cache=False)"
                 )
         if self.output_spec is not None and spec != self.output_spec:
             raise ValueError(f"cached(): the module's outputs differ in structure between chunks: {spec}")
@@ -254,8 +275,14 @@ class _Chunks:
     def replay(
         self, inputs: list[torch.Tensor], wanted: list[bool], params: list[torch.Tensor], grads: tuple[Any, ...]
     ) -> list[torch.Tensor | None]:
-        """The gradients of ``inputs`` (those ``wanted``) and of ``params``, summed over the replayed chunks."""
+        """The gradients of ``inputs`` (those ``wanted``) and of ``params``, summed over the replayed chunks.
+
+        The chunks run on detached aliases of the parameters (``torch.func.functional_call``): a hook the user put on
+        a parameter sees its summed gradient once, when autograd hands it over, never a chunk's share. Gradients
+        narrower than float32 are summed in float32 and rounded once.
+        """
         totals: list[torch.Tensor | None] = [None] * (len(inputs) + len(params))
+        aliases = [param.detach().requires_grad_() for param in params]
         with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
             for (start, stop), rng in zip(self.bounds, self.rng, strict=True):
                 _restore_rng(*rng, self.devices, self.device_type)
@@ -269,11 +296,12 @@ class _Chunks:
                     tensors = iter(cut)
                     leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in self.leaves]
                     args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-                    outputs = self.outputs(self.module(*args, **kwargs), stop - start)
+                    output = functional_call(self.module, dict(zip(self.names, aliases, strict=True)), args, kwargs)
+                    outputs = self.outputs(output, stop - start)
                 pairs = [
                     (o, g[start:stop]) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad
                 ]
-                sources = [(i, x) for i, x in enumerate(cut) if wanted[i]] + list(enumerate(params, len(inputs)))
+                sources = [(i, x) for i, x in enumerate(cut) if wanted[i]] + list(enumerate(aliases, len(inputs)))
                 if not pairs or not sources:
                     continue
                 outs, slices = zip(*pairs, strict=True)
@@ -281,7 +309,8 @@ class _Chunks:
                 for (index, _), grad in zip(sources, found, strict=True):
                     rows = (start, stop) if index < len(inputs) and inputs[index].dim() else None
                     totals[index] = _accumulate(totals[index], grad, rows, [*inputs, *params][index])
-        return totals
+        wholes = [*inputs, *params]
+        return [total if total is None else total.to(wholes[i].dtype) for i, total in enumerate(totals)]
 
 
 def _accumulate(
@@ -291,7 +320,9 @@ def _accumulate(
     if grad is None:
         return total
     if rows is None:
-        return grad if total is None else total.add_(grad)  # autograd.grad returned fresh tensors: ours to add to
+        if total is None:  # a float32 copy of a narrower gradient; else autograd.grad's fresh tensor, ours to add to
+            return grad.float() if grad.dtype in (torch.bfloat16, torch.float16) else grad
+        return total.add_(grad)
     total = torch.zeros_like(whole) if total is None else total
     total[rows[0] : rows[1]] = grad
     return total

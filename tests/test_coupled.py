@@ -283,6 +283,60 @@ def test_batch_norm_in_training_mode_is_refused():
     cached(tower, torch.randn(8, IN_FEATURES), chunk_size=4).sum().backward()
 
 
+@pytest.mark.parametrize(
+    ("norm", "train"),
+    [
+        (lambda: nn.BatchNorm1d(2, track_running_stats=False), False),  # batch statistics even in eval mode
+        (lambda: nn.InstanceNorm1d(2, track_running_stats=True), True),  # its running statistics updated twice
+    ],
+)
+def test_a_norm_whose_result_or_buffers_depend_on_the_chunks_is_refused(norm, train):
+    tower = nn.Sequential(nn.Linear(IN_FEATURES, 4), nn.Unflatten(1, (2, 2)), norm(), nn.Flatten()).train(train)
+    with pytest.raises(ValueError, match=r"cannot run (BatchNorm1d|InstanceNorm1d) `2`.*LayerNorm"):
+        cached(tower, torch.randn(8, IN_FEATURES), chunk_size=4)
+
+
+def test_a_norm_on_each_row_alone_is_exact():
+    tower = nn.Sequential(nn.Linear(IN_FEATURES, 4), nn.Unflatten(1, (2, 2)), nn.InstanceNorm1d(2), nn.Flatten())
+    x, weights = torch.randn(8, IN_FEATURES), torch.randn(8, 4)
+    expected = torch.autograd.grad((tower(x) * weights).sum(), tower[0].weight)[0]
+    found = torch.autograd.grad((cached(tower, x, chunk_size=3) * weights).sum(), tower[0].weight)[0]
+    assert (found - expected).abs().max().item() <= 1e-5
+
+
+def test_a_function_is_refused_naming_the_module_argument():
+    with pytest.raises(TypeError, match=r"cached\(\) runs an nn.Module.*`module=<function"):
+        cached(lambda x: x, torch.randn(4, 2))
+
+
+def test_a_hook_on_a_parameter_sees_the_summed_gradient_once_not_each_chunks_share():
+    q, d = make_batch()
+    _, expected = step(DualEncoder(), big_batch(q, d))  # the hook doubles the gradient: the step is twice as long
+    model, calls = DualEncoder(), []
+    model.query.net[0].weight.register_hook(lambda grad: calls.append(1) or grad * 2)
+    _, found = step(model, with_cache(q, d, 5))
+    plain, plain_calls = DualEncoder(), []
+    plain.query.net[0].weight.register_hook(lambda grad: plain_calls.append(1) or grad * 2)
+    _, reference = step(plain, big_batch(q, d))
+    assert calls == plain_calls == [1]
+    assert deviation(found, reference) <= 1e-6
+    assert deviation(found, expected) > 1e-3  # the hook did act
+
+
+def test_narrow_gradients_are_summed_over_chunks_in_float32_and_rounded_once():
+    """bfloat16 parameters: chunks of one row lose no more than the big batch does against float64."""
+    q, d = make_batch(96)
+
+    def error(loss: Callable[[Any], torch.Tensor]) -> float:
+        exact, _ = step(DualEncoder().double(), big_batch(q.double(), d.double()))
+        found, _ = step(DualEncoder().to(torch.bfloat16), loss)
+        largest = max(exact[k].abs().max().item() for k in exact)
+        return max((found[k].double() - exact[k]).abs().max().item() for k in exact) / largest
+
+    whole = error(big_batch(q.bfloat16(), d.bfloat16()))  # 1.3e-2; summed in bfloat16, chunks of one lost 2.1e-2
+    assert error(with_cache(q.bfloat16(), d.bfloat16(), 1)) <= 1.2 * whole
+
+
 def test_tensors_that_disagree_on_rows_are_refused():
     with pytest.raises(ValueError, match=r"kwargs\['batch'\]\['mask'\] has 5, inputs\[0\] has 6"):
         cached(DictTower(), torch.zeros(6), batch={"ids": torch.zeros(6, 2), "mask": torch.zeros(5, 2)})

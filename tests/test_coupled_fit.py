@@ -146,6 +146,57 @@ def test_adaptive_from_factor_1_says_once_that_a_coupled_batch_has_no_halves():
     assert set(module.rows) == {6}  # whole batches of 12, in chunks of 6: never halves of 6 run as micro-batches
 
 
+class MultiTask(Contrastive):
+    """Even batches: a per-row loss (no coupling); odd batches: InfoNCE through ``cached``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx % 2:
+            return super().training_step(batch, batch_idx)
+        q, d = batch
+        return (self.model.query(q) - self.model.document(d)).pow(2).mean()
+
+
+def test_a_first_cached_call_in_the_middle_of_a_window_keeps_what_the_window_trained_before_it():
+    module = MultiTask()
+    run = fit(module, AccumulationScheduler({0: 2}, micro_batch_size=4))
+    assert run.global_step == 2
+    model = DualEncoder()  # plain PyTorch: windows of batches (0, 1) and (2, 3), each batch whole
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    q, d = make_pairs()
+    for window in ((0, 1), (2, 3)):
+        optimizer.zero_grad()
+        losses = []
+        for index in window:
+            bq, bd = q[index * BATCH : (index + 1) * BATCH], d[index * BATCH : (index + 1) * BATCH]
+            if index % 2:
+                losses.append(info_nce(model.query(bq), model.document(bd), model.log_temperature))
+            else:
+                losses.append((model.query(bq) - model.document(bd)).pow(2).mean())
+        (sum(losses) / 2).backward()
+        optimizer.step()
+    assert deviation(module, [p.detach() for p in model.parameters()]) <= 1e-6
+
+
+def test_a_first_cached_call_after_a_part_of_the_batch_trained_is_refused():
+    class LastPartOnly(Contrastive):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if len(batch[0]) == 2:  # the last part of 5, 5, 2
+                return super().training_step(batch, batch_idx)
+            return self.model.query(batch[0]).pow(2).mean()
+
+    with pytest.raises(RuntimeError, match=r"first called in part 3 of a loader batch split into micro-batches of 5"):
+        fit(LastPartOnly(), AccumulationScheduler({0: 2}, micro_batch_size=5))
+
+
+def test_the_noise_scale_measures_windows_of_coupled_batches():
+    callback = AccumulationScheduler({0: 2}, micro_batch_size=4, noise_scale=True, noise_scale_interval=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Contrastive(), callback, max_epochs=3)
+    assert not [w for w in caught if "in parts" in str(w.message)]
+    assert callback.features["noise_scale"].estimate.noise_scale is not None
+
+
 @pytest.mark.parametrize(
     "strategy", [lambda: FSDPStrategy(), lambda: ModelParallelStrategy(), lambda: DeepSpeedStrategy(stage=2)]
 )
