@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import Frozen  # noqa: E402
+
 from lightning_accum import AccumulationScheduler  # noqa: E402
 from tests.helpers import exact_noise_scale  # noqa: E402  (every per-sample gradient of the data set, torch.func)
 
@@ -43,19 +45,6 @@ def frozen_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     y = x @ torch.randn(16, 1, generator=generator) + 2.85 * torch.randn(SAMPLES, 1, generator=generator)
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)), x, y
-
-
-class Frozen(pl.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 class FirstReached(pl.Callback):

@@ -1,7 +1,7 @@
 """What the speed benchmarks share: a backward-dominated MLP, its data, and side-by-side rounds.
 
-Not a benchmark itself; ``overhead.py``, ``noise_overhead.py``, ``feature_overhead.py`` and the GPU suite
-(``gpu/``) import it (run them from the repository root).
+Not a benchmark itself; ``overhead.py``, ``noise_overhead.py``, ``feature_overhead.py``, the GPU suite (``gpu/``)
+and, for the frozen model, ``noise_estimate.py`` and ``adaptive_rule.py`` import it (run them from the repository root).
 """
 
 from __future__ import annotations
@@ -17,6 +17,21 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 WIDTH, LAYERS, MICRO_BATCH, FACTOR = 1024, 4, 64, 4
+
+
+class Frozen(pl.LightningModule):
+    """MSE regression with a learning rate of 0: the weights never move, so the exact noise scale stays known."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 class MLP(pl.LightningModule):

@@ -27,6 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import Frozen  # noqa: E402
+
 from lightning_accum import AccumulationScheduler  # noqa: E402
 from lightning_accum.adaptive import AdaptiveFactor  # noqa: E402
 from tests.helpers import exact_noise_scale  # noqa: E402  (every per-sample gradient of the data set, torch.func)
@@ -41,19 +43,6 @@ def make_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     y = x @ torch.randn(FEATURES, 1, generator=generator) + 2.0 * torch.randn(SAMPLES, 1, generator=generator)
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1)), x, y
-
-
-class Frozen(pl.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
 def one_run(net: nn.Module, x: torch.Tensor, y: torch.Tensor, factor: int, interval: int, steps: int, seed: int):
