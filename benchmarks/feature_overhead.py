@@ -5,7 +5,8 @@
 1. Fixed overhead, on a tiny model where it dominates (Linear(32, 32), micro-batch 8, factor 4, 300 optimizer steps,
    a CSVLogger with Lightning's default ``log_every_n_steps``): stock ``Trainer(accumulate_grad_batches=4)``, the
    callback with nothing on, with its logging, with sample weighting, with LR scaling, with the noise scale (its
-   default sampling, and measured on every window), and with all of them; stock with a ``Callback`` that does nothing
+   default sampling, and measured on every window), and with all of them; logging every step alone and with all of
+   them, reported beside the sum of the features' own costs; stock with a ``Callback`` that does nothing
    (what Lightning's dispatch of one more callback costs); and a raw PyTorch loop. Every configuration runs once per
    round, in rotated order, for ``--rounds`` rounds; each ratio is taken round by round against the round's stock run
    (the noise scale against the callback with nothing on) and its median reported with its range.
@@ -108,8 +109,9 @@ def lightning_seconds(
     callbacks: list[pl.Callback] = [timer]
     extra: dict[str, Any] = {"accumulate_grad_batches": FACTOR}
     if options is not None:
+        options = dict(options)
+        extra = {"log_every_n_steps": options.pop("log_every_n_steps")} if "log_every_n_steps" in options else {}
         callbacks.insert(0, AccumulationScheduler({0: FACTOR}, **options))
-        extra = {}
     elif empty:
         callbacks.insert(0, pl.Callback())
     with tempfile.TemporaryDirectory() as logs:
@@ -233,6 +235,13 @@ def tiny_table(count: int) -> list[dict[str, Any]]:
         "noise scale": {"log_metrics": False, "noise_scale": True},
         "noise scale, every window": {"log_metrics": False, "noise_scale": True, "noise_scale_interval": 1},
         "all": {"normalize_by": "sample", "lr_scaling": "linear", "noise_scale": True},
+        "logging every step": {"log_every_n_steps": 1},
+        "all, logging every step": {
+            "normalize_by": "sample",
+            "lr_scaling": "linear",
+            "noise_scale": True,
+            "log_every_n_steps": 1,
+        },
     }
     measures: dict[str, dict[str, Any]] = {name: {"model": "tiny", "options": opts} for name, opts in configs.items()}
     measures["a callback doing nothing"] = {"model": "tiny", "options": None, "empty": True}
@@ -251,7 +260,21 @@ def tiny_table(count: int) -> list[dict[str, Any]]:
             f" {versus['min']:.3f} to {versus['max']:.3f} | {raw:.2f} |"
         )
         tiny_rows.append({"name": name, "ms": statistics.median(times[name]) * 1e3, "ratio": versus, "to_raw": raw})
+    # every feature at once, logging every step, beside the sum of each one's own cost over the callback with nothing
+    # on (the noise scale's measured against stock like the others here)
+    own = {name: ratio(times, name, "stock")["median"] for name in ("nothing on", *FEATURES, "logging every step")}
+    summed = own["logging every step"] + sum(own[name] - own["nothing on"] for name in FEATURES)
+    together = ratio(times, "all, logging every step", "stock")["median"]
+    print(
+        f"\nall features, logging every step: {together:.3f} of stock; the sum of their own costs"
+        f" (logging every step {own['logging every step']:.3f}, plus each of {', '.join(FEATURES)} over nothing on):"
+        f" {summed:.3f}"
+    )
+    tiny_rows.append({"name": "sum of the features' own, logging every step", "ratio": {"median": summed}})
     return tiny_rows
+
+
+FEATURES = ("sample weighting", "lr scaling", "noise scale")  # the features of "all", each alone
 
 
 def tensors_table(count: int) -> list[dict[str, Any]]:

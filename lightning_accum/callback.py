@@ -40,7 +40,7 @@ from lightning_accum.features import (
     WideAccumulation,
 )
 from lightning_accum.monitor import split_summary
-from lightning_accum.precision import check_grad_accum_dtype
+from lightning_accum.precision import check_grad_accum_dtype, scale_in_place
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy, updating_optimizer
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
@@ -72,10 +72,10 @@ class AccumulationScheduler(Callback):
         normalize_by: A micro-batch weighs the same (``"micro_batch"``) or its items (``"sample"``, ``"token"``).
         token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
-        count_items: ``batch -> int or tensor``, counting a micro-batch's items instead.
+        count_items: ``batch -> int or tensor``, counting a micro-batch's items instead (and ``unit="token"``'s).
         noise_scale: Estimate the gradient noise scale (the critical batch) and log ``accum/noise_scale``.
         noise_scale_decay: Decay of the estimate's averages per step (and of adaptive's evidence per window), [0, 1).
-        noise_scale_interval: Measure every N-th window and each logged one (``1``: all); the others cost nothing.
+        noise_scale_interval: Measure every N-th window (``1``: all); the others cost nothing, logged ones included.
         adaptive: Set the factor from the noise scale once the evidence calls for it (needs ``noise_scale``).
         adaptive_target: The wanted effective batch as a multiple of the noise scale.
         adaptive_max_factor: The largest factor adaptive growth may reach.
@@ -313,7 +313,7 @@ class AccumulationScheduler(Callback):
             ctx.loss = _window_share(outputs, ctx)
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         if ctx.window.closed:
-            ctx.metrics = self._batcher.metrics()
+            ctx.metrics = {**self._batcher.metrics()}
             self._features.dispatch(Event.WINDOW_CLOSED, ctx)
             self._resume.between_windows(trainer, self._current_state())
         ctx.batch = ctx.loss = ctx.optimizer = None
@@ -437,10 +437,11 @@ def _window_share(outputs: Any, ctx: Context) -> torch.Tensor | None:
     return (loss / ctx.window.size if ctx.weights_in_float32 else loss) if isinstance(loss, torch.Tensor) else None
 
 
-def _scale_gradients(trainer: pl.Trainer, optimizer: Any, scale: float) -> None:
+def _scale_gradients(trainer: pl.Trainer, optimizer: Any, scale: float | torch.Tensor) -> None:
     if isinstance(trainer.strategy, DeepSpeedAccumulationStrategy):  # ZeRO holds the window's gradient, not `.grad`
-        trainer.strategy.scale_window_gradients(optimizer, scale)
-    elif scale != 1.0:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, scale)
+        # folded into ZeRO's loss-scale divisor, a host number: the one read of a scale kept on the device
+        trainer.strategy.scale_window_gradients(optimizer, float(scale))
+    else:
+        scale_in_place(
+            [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None], scale
+        )

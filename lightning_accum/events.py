@@ -232,10 +232,12 @@ class Context:
         optimizer: The optimizer about to step (``WINDOW_CLOSING``, ``GRADIENT_READY``).
         gradient_scale: At ``WINDOW_CLOSING``: what turns the accumulated gradient into the window's mean. The
             callback sets the correction for a window cut short; a feature that weighs micro-batches otherwise
-            replaces it; the callback applies it once before ``GRADIENT_READY``.
+            replaces it; the callback applies it once before ``GRADIENT_READY``. A 0-d tensor where the count it
+            comes from stays on the device (item weighting): never read it to the host.
         items: Published at ``MICRO_BATCH_STARTED`` by item weighting: the micro-batch's samples or tokens on this
             rank (``None`` when every micro-batch weighs the same).
-        window_items: Published at ``WINDOW_CLOSING`` by item weighting: the window's items on all ranks.
+        window_items: Published at ``WINDOW_CLOSING`` by item weighting: the window's items on all ranks (a 0-d
+            tensor on the device between the windows it reads, see :mod:`~lightning_accum.features.item_weighting`).
         noise: Published by the noise scale at ``FIT_START`` and at each measured window's ``GRADIENT_READY``: the
             estimate after the latest measured window, with that window's batch
             (:class:`~lightning_accum.noise.NoiseReading`), or ``None`` before the first.
@@ -244,7 +246,8 @@ class Context:
             ``FIT_START``, the most it will ask for, which the coordinator reads to install the micro-batcher.
         log_every: Published at ``FIT_START`` by the metrics: the optimizer steps between two logged steps, the same
             on every rank (``0``: nothing is logged).
-        metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step.
+        metrics: Cleared before ``WINDOW_CLOSED``; each feature adds its ``accum/...`` values of the step (numbers,
+            or 0-d tensors that the metrics read to the host only for a logged step).
         summary: Cleared before ``FIT_START`` and ``WINDOW_OPENED``; a feature adds a phrase for the run's summary
             (at ``FIT_START``) or for what changed with this window (at ``WINDOW_OPENED``).
     """
@@ -279,14 +282,14 @@ class Context:
     weights_in_float32: bool = False
     micro_weight: float | torch.Tensor = 1.0
     optimizer: Any = None
-    gradient_scale: float = 1.0
+    gradient_scale: float | torch.Tensor = 1.0
 
     items: Any = None
-    window_items: float | None = None
+    window_items: float | torch.Tensor | None = None
     noise: NoiseReading | None = None
     noise_parts: int = 1
     log_every: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
 
     def release(self) -> None:

@@ -90,7 +90,7 @@ def count_tokens(
     except (KeyError, IndexError, TypeError) as error:
         kind = type(batch).__name__
         own_count = (
-            "pass `count_items` (with normalize_by='token': the schedule then counts what the weighting counts)"
+            "pass `count_items` (it counts the schedule's tokens, unless normalize_by='sample' makes it count samples)"
             if purpose == "schedule"
             else "pass `count_items`"
         )

@@ -289,8 +289,11 @@ def window_sums(
     entries: list[torch.Tensor],
     first_mean: int,
     reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
+    window_items: torch.Tensor | None = None,
 ) -> list[float]:
     """A measured window's sums, over the ranks: ``[sum |g_i|^2, bearing, sum 1 / b_i, micro-batches, parts, |g|^2]``.
+
+    ``window_items``, a tensor of the window's items already summed over the ranks, is read with them (last).
 
     ``bearing`` counts the micro-batches with items, ``parts`` the ranks where a gradient came in parts.
     ``backwards`` holds ``(first entry, loss divisor, items)`` of each micro-batch's backward, ``parts`` whether a
@@ -325,4 +328,7 @@ def window_sums(
     local[4] = float(parts)
     if reduce is not None:
         local = reduce(local, "sum")
-    return torch.cat([local, squared[first_mean:].sum().reshape(1)]).tolist()
+    read = [local, squared[first_mean:].sum().reshape(1)]
+    if window_items is not None:
+        read.append(window_items.detach().to(device=device, dtype=dtype).reshape(1))
+    return torch.cat(read).tolist()

@@ -159,14 +159,27 @@ class WideAccumulator:
             for slot, index in enumerate(on_device):
                 self._touched[index] = touched[slot] > 0
 
-    def write(self, scale: float) -> None:
+    def write(self, scale: float | torch.Tensor) -> None:
         """Put ``scale x buffer`` into the ``.grad`` of each parameter that received a gradient, rounded once."""
-        for buffer, param, touched in zip(self.buffers, self.params, self._touched, strict=True):
-            if not touched:  # a parameter without a gradient in the window keeps None
-                continue
-            if scale != 1.0:
-                buffer.mul_(scale)
+        touched = [(b, p) for b, p, t in zip(self.buffers, self.params, self._touched, strict=True) if t]
+        scale_in_place([buffer for buffer, _ in touched], scale)  # a parameter without a gradient keeps None
+        for buffer, param in touched:
             param.grad = buffer.to(param.dtype)
+
+
+def scale_in_place(tensors: list[torch.Tensor], scale: float | torch.Tensor) -> None:
+    """Multiply ``tensors`` by ``scale`` in place, a host number or a 0-d tensor used where it is (never read).
+
+    Nothing is done for the host number 1; a scale computed on the device stays there.
+
+    Example::
+
+        >>> grads = [torch.ones(2)]
+        >>> scale_in_place(grads, torch.tensor(0.5)); grads
+        [tensor([0.5000, 0.5000])]
+    """
+    if tensors and (isinstance(scale, torch.Tensor) or scale != 1.0):
+        torch._foreach_mul_(tensors, scale)
 
 
 def _scalar(weight: float | torch.Tensor, dtype: torch.dtype) -> Any:

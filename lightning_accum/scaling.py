@@ -77,6 +77,38 @@ def lr_scale(rule: LRScaling, effective_batch_size: float, base_batch_size: floa
     return ratio if rule == "linear" else math.sqrt(ratio)
 
 
+def held_window_scale(
+    rule: LRScaling,
+    scale: float,
+    held_batch: float,
+    full_batch: float,
+    base_batch_size: float,
+    max_scale: float | None = None,
+) -> float:
+    """The scale for a window that holds ``held_batch`` of the ``full_batch`` its factor was scaled for.
+
+    ``scale`` is the factor's scale (its warmup included). A window cut short (an epoch's last, ``limit_train_batches``)
+    steps at the rate of the batch it holds: the rule's scale at ``held_batch`` (capped at ``max_scale``), never more
+    than ``scale``, so with the warmup done it is exactly the rule at ``held_batch``, and a warmup still rising from a
+    smaller scale keeps its value. A full window, or the rule ``"none"``, keeps ``scale``.
+
+    Example::
+
+        >>> held_window_scale("linear", 4.0, held_batch=8, full_batch=32, base_batch_size=8)  # 1 micro-batch of 4
+        1.0
+        >>> held_window_scale("sqrt", 2.0, held_batch=8, full_batch=32, base_batch_size=8)
+        1.0
+        >>> held_window_scale("linear", 2.0, held_batch=24, full_batch=32, base_batch_size=8, max_scale=2.0)
+        2.0
+        >>> held_window_scale("linear", 1.5, held_batch=16, full_batch=32, base_batch_size=8)  # warming up to 4
+        1.5
+    """
+    if rule == "none" or held_batch >= full_batch:
+        return scale
+    held = lr_scale(rule, held_batch, base_batch_size)
+    return min(scale, held if max_scale is None else min(held, max_scale))
+
+
 def lr_summary(lr: float, rule: LRScaling, effective_batch_size: float, base_batch_size: float) -> str:
     """How the configured learning rate becomes the one used at ``effective_batch_size``, for the run's summary.
 

@@ -374,7 +374,7 @@ def test_ranks_that_disagree_on_their_data_raise_on_every_rank_before_training(b
 def test_a_bad_count_on_one_rank_raises_on_every_rank_before_the_step(backend, request):
     rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_bad_count")
     assert "returned nan for batch 1" in rank1["raised"]
-    assert "on 1 other rank(s) in the window ending at batch 2" in rank0["raised"]
+    assert "on 1 other rank(s) up to the window ending at batch 2" in rank0["raised"]
     for record in (rank0, rank1):
         assert record["optimizer_steps"] == 0
         assert record["weights"] == _untouched()

@@ -50,8 +50,9 @@ def test_every_listed_tag_is_logged_once_per_optimizer_step_with_its_value(tmp_p
     assert _values(events, "accum/effective_batch_size") == [4 * taken for taken in TAKEN]
     assert _values(events, "accum/micro_steps") == [2, 4, 6, 10, 14, 18, 20]
     assert _values(events, "accum/samples_seen") == [8, 16, 24, 40, 56, 72, 80]
-    assert _values(events, "accum/lr_scale") == [1, 1, 1, 2, 2, 2, 2]  # linear, base = first effective batch (8)
-    assert _values(events, "accum/lr") == pytest.approx([0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.2])
+    # linear, base = first effective batch (8); the short last window steps at the rate of the 8 samples it holds
+    assert _values(events, "accum/lr_scale") == [1, 1, 1, 2, 2, 2, 1]
+    assert _values(events, "accum/lr") == pytest.approx([0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.1])
     assert all(value > 0 for value in _values(events, "accum/memory_rss_mb"))
 
 
@@ -150,8 +151,8 @@ def test_accum_lr_is_the_lr_each_step_really_used(tmp_path):
     used = [lrs[0] for lrs in measured.used]
     assert len(logged) == len(used) == 7
     assert logged == pytest.approx(used, rel=1e-6)
-    # StepLR halves every 2 steps; from step 3 the effective batch doubles: sqrt(2)
-    expected = [0.1 * 0.5 ** (step // 2) * (2**0.5 if step >= 3 else 1.0) for step in range(7)]
+    # StepLR halves every 2 steps; from step 3 the effective batch doubles: sqrt(2), but for the short last window
+    expected = [0.1 * 0.5 ** (step // 2) * (2**0.5 if 3 <= step < 6 else 1.0) for step in range(7)]
     assert used == pytest.approx(expected, rel=1e-9)
 
 

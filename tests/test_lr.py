@@ -7,7 +7,17 @@ import torch
 from torch import nn
 
 from lightning_accum import AccumulationScheduler
-from tests.helpers import MeasuredLR, RegressionModule, loader, make_data, make_net, max_deviation, trainer, weights
+from tests.helpers import (
+    BatchStream,
+    MeasuredLR,
+    RegressionModule,
+    loader,
+    make_data,
+    make_net,
+    max_deviation,
+    trainer,
+    weights,
+)
 
 
 def used(spy: MeasuredLR) -> list[float]:
@@ -54,9 +64,10 @@ def _reference(x, y, batch_size, windows, lrs) -> list[torch.Tensor]:
     return [p.detach().clone() for p in net.parameters()]
 
 
-# 10 batches of 4 an epoch; factor 2 until step 3, then 4: windows 2,2,2,4 | 4,4,2; effective 8 then 16 samples
+# 10 batches of 4 an epoch; factor 2 until step 3, then 4: windows 2,2,2,4 | 4,4,2; effective 8 then 16 samples, and
+# the short last window holds 8
 WINDOWS = [[2, 2, 2, 4], [4, 4, 2]]
-FACTORS = [2, 2, 2, 4, 4, 4, 4]
+HELD = [2, 2, 2, 4, 4, 4, 2]
 
 
 def test_linear_rule_composes_with_step_lr():
@@ -68,7 +79,7 @@ def test_linear_rule_composes_with_step_lr():
     callback = AccumulationScheduler({0: 2, 3: 4}, unit="step", lr_scaling="linear", base_batch_size=8)
     model = ScheduledModule(step_lr)
     trainer([callback, spy], max_epochs=2, precision="64-true").fit(model, loader(x, y, 4))
-    expected = [0.1 * 0.5 ** (step // 2) * (4 * factor / 8) for step, factor in enumerate(FACTORS)]
+    expected = [0.1 * 0.5 ** (step // 2) * (4 * held / 8) for step, held in enumerate(HELD)]
     assert used(spy) == pytest.approx(expected, rel=1e-9)  # measured from each update: delta = -lr * grad
     assert max_deviation(weights(model), _reference(x, y, 4, WINDOWS, expected)) <= 1e-6
 
@@ -82,15 +93,31 @@ def test_sqrt_rule_with_scale_warmup_composes_with_warmup_then_cosine():
     x, y = make_data(40)
     spy = MeasuredLR()
     # base defaults to the first window's effective batch (8); at step 3 the target scale is sqrt(16/8), reached
-    # linearly over 2 steps
+    # linearly over 2 steps; the short last window steps at sqrt(8/8)
     callback = AccumulationScheduler({0: 2, 3: 4}, unit="step", lr_scaling="sqrt", lr_warmup_steps=2)
     model = ScheduledModule(warmup_cosine)
     trainer([callback, spy], max_epochs=2, precision="64-true").fit(model, loader(x, y, 4))
     target = math.sqrt(2)
-    scale = [1, 1, 1, 1, 1 + (target - 1) / 2, target, target]
+    scale = [1, 1, 1, 1, 1 + (target - 1) / 2, target, 1]
     expected = [lr * s for lr, s in zip(_scheduler_lrs(warmup_cosine, 7), scale, strict=True)]
     assert used(spy) == pytest.approx(expected, rel=1e-9)
     assert max_deviation(weights(model), _reference(x, y, 4, WINDOWS, expected)) <= 1e-6
+
+
+@pytest.mark.parametrize(("rule", "full", "held"), [("linear", 4.0, 2.0), ("sqrt", 2.0, math.sqrt(2))])
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unknown length"])
+def test_a_short_last_window_steps_at_the_lr_of_the_batch_it_holds(rule, full, held, sized):
+    """10 batches of 4 at factor 4 from a base of 4 samples: windows of 16, 16 and 8 samples. The last step's LR is
+    the rule's at 8 samples, not at 16, whether the epoch's end is known when the window opens or only at its end."""
+    x, y = make_data(40)
+    spy = MeasuredLR()
+    callback = AccumulationScheduler({0: 4}, lr_scaling=rule, base_batch_size=4, micro_batch_size=4)
+    data = loader(x, y, 4) if sized else torch.utils.data.DataLoader(BatchStream(x, y, 4), batch_size=None)
+    model = RegressionModule()
+    trainer([callback, spy], max_epochs=2, precision="64-true").fit(model, data)
+    expected = [0.1 * scale for scale in (full, full, held)] * 2
+    assert used(spy) == pytest.approx(expected, rel=1e-9)  # measured from each update: delta = -lr * grad
+    assert max_deviation(weights(model), _reference(x, y, 4, [[4, 4, 2]] * 2, expected)) <= 1e-6
 
 
 def test_several_param_groups_keep_their_ratio_and_the_scheduler_value_is_untouched():
@@ -102,7 +129,7 @@ def test_several_param_groups_keep_their_ratio_and_the_scheduler_value_is_untouc
             )
 
     spy = MeasuredLR()
-    x, y = make_data(16)
+    x, y = make_data(24)  # windows of 1, 1 and 4 batches of 4
     callback = AccumulationScheduler({0: 1, 2: 4}, unit="step", lr_scaling="linear", base_batch_size=4)
     fit_trainer = trainer([callback, spy], max_epochs=1, precision="64-true")
     fit_trainer.fit(TwoGroups(), loader(x, y, 4))

@@ -85,8 +85,13 @@ def test_the_logged_noise_scale_converges_to_the_exact_value_on_a_frozen_model(t
     trainer([callback], max_epochs=6, logger=logger, log_every_n_steps=1).fit(module, loader)
     rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    logged = [float(row.split(",")[header.index("accum/noise_scale")]) for row in rows[1:]]
-    assert len(logged) == 6 * 2048 // 64
+    column = [row.split(",")[header.index("accum/noise_scale")] for row in rows[1:]]
+    # every 10th window measured (the default); every step from the first measured one on logs the latest estimate
+    assert len(column) == 6 * 2048 // 64
+    assert not any(column[:9])
+    assert all(column[9:])
+    logged = [float(value) for value in column[9:]]
+    assert all(i % 10 == 0 for i in range(1, len(logged)) if logged[i] != logged[i - 1])  # new at steps 20, 30, ...
     assert logged[-1] == pytest.approx(exact, rel=0.25)
 
 
@@ -471,14 +476,18 @@ def test_channels_last_and_sparse_gradients_keep_their_layout_for_fused_and_spar
         assert torch.equal(a, b)
 
 
-def test_the_logged_steps_are_measured_besides_every_interval_th(tmp_path):
-    class Updates(pl.Callback):  # the estimator's updates after each step
+def test_only_every_interval_th_window_is_measured_and_logged_steps_log_the_latest_estimate(tmp_path):
+    """Logging every 4 steps measures nothing more: windows 5 and 10 are measured, and the logged steps 8 and 12 show
+    the estimates of windows 5 and 10 (step 4 has none yet)."""
+
+    class Updates(pl.Callback):  # the estimator's updates and estimate after each step
         def __init__(self) -> None:
-            self.seen: list[float] = []
+            self.seen: list[tuple[float, float]] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx % 2 == 1:
-                self.seen.append(trainer.callbacks[0].features["noise_scale"].state_dict()["updates"])
+                feature = trainer.callbacks[0].features["noise_scale"]
+                self.seen.append((feature.state_dict()["updates"], feature.estimate.grad_sq))
 
     x, y = make_data(96)  # 12 steps of 2 micro-batches of 4
     callback = AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_decay=0.0, noise_scale_interval=5)
@@ -487,12 +496,14 @@ def test_the_logged_steps_are_measured_besides_every_interval_th(tmp_path):
     trainer([callback, updates], max_epochs=1, logger=logger, log_every_n_steps=4).fit(
         RegressionModule(), DataLoader(TensorDataset(x, y), batch_size=4)
     )
-    measured = [step + 1 for step, (a, b) in enumerate(zip([0.0, *updates.seen], updates.seen, strict=False)) if b > a]
-    assert measured == [4, 5, 8, 10, 12]  # logged every 4 steps, and every 5th
+    counts = [0.0] + [count for count, _ in updates.seen]
+    measured = [step for step in range(1, 13) if counts[step] > counts[step - 1]]
+    assert measured == [5, 10]
     rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
     header = rows[0].split(",")
-    logged = [row.split(",")[header.index("accum/noise_scale")] for row in rows[1:]]
-    assert sum(bool(value) for value in logged) == 3
+    logged = [row.split(",")[header.index("accum/noise_grad_sq")] for row in rows[1:]]
+    assert logged[0] == ""
+    assert [float(v) for v in logged[1:]] == pytest.approx([updates.seen[4][1], updates.seen[9][1]])
 
 
 class _SaveInside(pl.Callback):

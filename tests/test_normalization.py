@@ -26,6 +26,7 @@ from tests.helpers import (
     make_net,
     make_tokens,
     max_deviation,
+    reference_weights,
     token_loss,
     trainer,
     weights,
@@ -290,8 +291,7 @@ def test_tokens_are_counted_with_count_items_when_normalizing_by_token():
 
 
 def test_a_token_schedule_over_batches_without_labels_names_unit_token_not_the_weighting():
-    # before, the message named normalize_by='token' (which this run does not set) and offered count_items, which a
-    # token schedule uses only together with normalize_by='token'
+    # before, the message named normalize_by='token' (which this run does not set)
     x, y = make_data(32)
     module = RegressionModule()
     before = [p.detach().clone() for p in module.parameters()]
@@ -300,5 +300,28 @@ def test_a_token_schedule_over_batches_without_labels_names_unit_token_not_the_w
         trainer([callback], max_epochs=1).fit(module, loader(x, y, 4))
     message = str(raised.value)
     assert "normalize_by='token' reads" not in message
-    assert "pass `count_items` (with normalize_by='token'" in message
+    assert "pass `count_items` (it counts the schedule's tokens" in message
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("normalize_by", ["micro_batch", "token"])
+def test_a_token_schedule_over_batches_without_labels_trains_with_count_items_as_its_error_advises(normalize_by):
+    """The error above advises `count_items`: passed alone (the default normalize_by), the schedule counts with it and
+    the run trains, its windows those of a plain loop keyed by the counted tokens (each batch of 4 counts 4 x 3)."""
+    x, y = make_data(32)
+    module = RegressionModule()
+    callback = AccumulationScheduler(
+        {0: 1, 30: 2}, unit="token", count_items=lambda batch: 3 * len(batch[0]), normalize_by=normalize_by
+    )
+    trainer([callback], max_epochs=1).fit(module, loader(x, y, 4))
+    assert callback.features["token_count"].tokens_seen == 8 * 12  # type: ignore[attr-defined]
+    # factor 1 until 30 tokens (3 windows: 36 tokens), then 2: windows 1, 1, 1, 2, 2, 1 (the epoch's rest)
+    reference = reference_weights(x, y, 4, [[1, 1, 1, 2, 2, 1]])
+    assert max_deviation(weights(module), reference) <= TOLERANCE
+
+
+def test_a_token_schedule_with_samples_weighted_by_count_items_reads_the_tokens_from_the_labels():
+    data = make_tokens(24)
+    callback = AccumulationScheduler({0: 1, 10: 2}, unit="token", normalize_by="sample", count_items=lambda b: 4)
+    trainer([callback], max_epochs=1).fit(TokenModule(), DataLoader(DictDataset(data), batch_size=4))
+    assert callback.features["token_count"].tokens_seen == int((data["labels"] != -100).sum())  # type: ignore

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, lr_scale
+from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, held_window_scale, lr_scale
 
 
 @pytest.mark.parametrize(
@@ -86,3 +86,20 @@ def test_lbfgs_which_reads_its_lr_before_the_closure_steps_with_the_scaled_lr():
     scaled, lr_after = run(0.1, scale=2.0)
     assert scaled == pytest.approx(plain, rel=1e-6)
     assert lr_after == 0.1
+
+
+@pytest.mark.parametrize(
+    ("rule", "scale", "held", "full", "cap", "expected"),
+    [
+        ("linear", 4.0, 8, 32, None, 1.0),  # the rule at the batch held: 8 / 8
+        ("sqrt", 2.0, 8, 32, None, 1.0),
+        ("linear", 4.0, 16, 32, None, 2.0),
+        ("linear", 4.0, 32, 32, None, 4.0),  # a full window keeps the factor's scale
+        ("linear", 2.0, 24, 32, 2.0, 2.0),  # the cap holds both: the held batch's 3 is capped at 2
+        ("linear", 1.5, 16, 32, None, 1.5),  # a warmup rising to 4 keeps its value below the held batch's 2
+        ("linear", 6.0, 16, 32, None, 2.0),  # a warmup coming down from 8 to 4: the held batch's 2
+        ("none", 1.0, 8, 32, None, 1.0),
+    ],
+)
+def test_a_window_cut_short_steps_at_the_scale_of_the_batch_it_holds(rule, scale, held, full, cap, expected):
+    assert held_window_scale(rule, scale, held, full, base_batch_size=8, max_scale=cap) == pytest.approx(expected)

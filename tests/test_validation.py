@@ -223,6 +223,22 @@ def test_a_bad_count_items_result_raises_before_the_step(case):
     assert max_deviation(weights(model), before) == 0.0
 
 
+def test_a_bad_tensor_count_in_a_window_kept_on_the_device_is_found_at_the_next_logged_step(tmp_path):
+    """Device counts are read on the first 3 windows and on logged steps: a NaN counted in window 7 (factor 1) stays on
+    the device until the check of step 10, which raises before its step, naming the batch and the steps between."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    x, y = make_data(48)
+    def count(batch):  # a tensor for every batch, NaN for batch 6
+        return torch.tensor(float("nan") if torch.equal(batch[0], x[24:28]) else 4.0)
+
+    callback = AccumulationScheduler(normalize_by="sample", count_items=count)
+    fit_trainer = trainer([callback], max_epochs=1, logger=CSVLogger(tmp_path), log_every_n_steps=5)
+    with pytest.raises(ValueError, match=r"returned nan for batch 6, in the window of optimizer step 7, read at the"):
+        fit_trainer.fit(RegressionModule(), loader(x, y, 4))
+    assert fit_trainer.global_step == 9
+
+
 def test_a_window_without_items_raises_before_the_step():
     x, y = make_data(32)
     model = RegressionModule()

@@ -7,6 +7,11 @@ typical window's items to the window's items on all ranks (one scalar all-reduce
 that of the mean loss over every sample or token of the window. A window whose micro-batches all hold the typical
 count needs no scaling: the gradient is left as backward wrote it. Counting is in :mod:`lightning_accum.items`.
 
+Counts the device holds (tokens, a ``count_items`` tensor, any count on several ranks) stay there: the window's total
+and the gradient's scale are 0-d tensors, and the host waits for them only where it reads them anyway, on the fit's
+first :data:`CHECKED_WINDOWS` windows and on every logged step, which is also where a count is checked (negative,
+NaN or infinite; a window without items). Host counts on one process (samples) are checked on every window.
+
 Publishes ``ctx.items`` (``MICRO_BATCH_STARTED``), ``ctx.loss_divisor`` (``BEFORE_BACKWARD``), ``ctx.window_items``
 and ``ctx.gradient_scale`` (``WINDOW_CLOSING``).
 """
@@ -30,6 +35,9 @@ from lightning_accum.items import (
     token_counter,
 )
 from lightning_accum.schedule import check_int
+
+CHECKED_WINDOWS = 3
+"""Windows of each fit whose device counts are read and checked before the step, besides the logged steps'."""
 
 
 class ItemWeighting(Feature):
@@ -82,9 +90,13 @@ class ItemWeighting(Feature):
         self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
         self._backwards = 0  # this rank's micro-steps in the window that ran a backward
         self._custom = count_items is not None  # the built-in counters cannot return a bad count
-        self._counts: list[tuple[int, torch.Tensor]] = []  # the window's tensor counts from `count_items`
+        # the tensor counts from `count_items` not yet checked, as (step, batch_idx, count): the window's, and those of
+        # earlier windows kept on the device until the next logged step
+        self._counts: list[tuple[int, int, torch.Tensor]] = []
         self._invalid: torch.Tensor | None = None  # how many of them are negative, NaN or infinite (on the device)
+        self._carried = False  # whether the counts of a window not read are carried to the next check
         self._device = torch.device("cpu")
+        self._checks_left = CHECKED_WINDOWS  # windows of this fit whose device counts are still to be read
 
     @override
     def setup(self, ctx: Context) -> None:
@@ -95,6 +107,7 @@ class ItemWeighting(Feature):
                 " batch, batch_idx)` or normalize_by='micro_batch'"
             )
         self._per_micro_batch = None  # once per fit, from its first micro-batch
+        self._checks_left = CHECKED_WINDOWS
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -109,8 +122,9 @@ class ItemWeighting(Feature):
     def window_opened(self, ctx: Context) -> None:
         self._window_items = 0
         self._backwards = 0
-        self._counts = []
-        self._invalid = None
+        if not self._carried:
+            self._counts, self._invalid = [], None
+        self._carried = False
 
     @override
     def micro_batch_started(self, ctx: Context) -> None:
@@ -125,7 +139,7 @@ class ItemWeighting(Feature):
             # a tensor's value is checked with the window's other counts at its end, without waiting for the device
             bad = (~torch.isfinite(items) | (items < 0)).to(torch.float32)
             self._invalid = bad if self._invalid is None else self._invalid + bad
-            self._counts.append((ctx.batch_idx, items))
+            self._counts.append((ctx.optimizer_steps + 1, ctx.batch_idx, items))
         ctx.items = items
 
     @override
@@ -159,10 +173,32 @@ class ItemWeighting(Feature):
     def window_closing(self, ctx: Context) -> None:
         if self._per_micro_batch is None:  # no backward yet in this fit (training_step returned None)
             return
+        # the gradient holds the rank average of sum(items_i * grad_i) / (size * typical items): exactly the mean
+        # over the window's items, with nothing to scale, when every micro-batch has the typical count
+        typical = ctx.world_size * ctx.window.size * self._per_micro_batch
         if ctx.world_size == 1 and self._invalid is None and not isinstance(self._window_items, torch.Tensor):
-            total, ranks_with_bad_counts, backwards = float(self._window_items), 0.0, float(self._backwards)
+            total = float(self._window_items)  # host numbers: nothing to wait for
+            self._check(ctx, total, 0.0, float(self._backwards))
         else:
-            total, ranks_with_bad_counts, backwards = self._reduce_counts(ctx)
+            counts = self._reduce_counts(ctx)
+            step = ctx.optimizer_steps + 1  # the step this window ends in
+            if self._checks_left <= 0 and not (ctx.log_every > 0 and step % ctx.log_every == 0):
+                # kept on the device: a window without items (gradient zero) steps on a zero gradient; its counts are
+                # checked at the next logged step
+                self._carried = ctx.log_every > 0
+                total_on_device = counts[0]
+                ctx.window_items = total_on_device
+                scale = typical / total_on_device
+                ctx.gradient_scale = torch.where(total_on_device > 0, scale, torch.zeros_like(scale))
+                return
+            self._checks_left -= 1
+            total, ranks_with_bad_counts, backwards = counts.tolist()
+            self._check(ctx, total, ranks_with_bad_counts, backwards)
+        ctx.window_items = total
+        ctx.gradient_scale = typical / total if total > 0 else 0.0
+
+    def _check(self, ctx: Context, total: float, ranks_with_bad_counts: float, backwards: float) -> None:
+        """Raise on every rank, before the step, if a count was bad or the window held no item on any rank."""
         if ranks_with_bad_counts:
             self._raise_bad_count(ctx, int(ranks_with_bad_counts))
         if backwards and total <= 0:
@@ -172,13 +208,8 @@ class ItemWeighting(Feature):
                 f" (normalize_by={self.normalize_by!r}, on every rank): the window's mean loss is undefined. Check"
                 " `count_items`, `token_key` and `ignore_index`, or drop batches without a loss-bearing item"
             )
-        ctx.window_items = total
-        # the gradient holds the rank average of sum(items_i * grad_i) / (size * typical items): exactly the mean
-        # over the window's items, with nothing to scale, when every micro-batch has the typical count
-        typical = ctx.world_size * ctx.window.size * self._per_micro_batch
-        ctx.gradient_scale = typical / total if total > 0 else 0.0
 
-    def _reduce_counts(self, ctx: Context) -> list[float]:
+    def _reduce_counts(self, ctx: Context) -> torch.Tensor:
         """The window's items, ranks with a bad count, and backwards, summed over the ranks: one collective."""
         dtype = torch.float32 if self._device.type == "mps" else torch.float64
         local = torch.stack(
@@ -190,19 +221,28 @@ class ItemWeighting(Feature):
                 torch.tensor(float(self._backwards), dtype=dtype, device=self._device),
             ]
         )
-        return ctx.reduce(local, "sum").tolist()  # the one collective this adds per step
+        return ctx.reduce(local, "sum")  # the one collective this adds per step
 
     def _raise_bad_count(self, ctx: Context, ranks: int) -> None:
         """Every rank raises before the step: the rank with the bad count names it, the others say where it is."""
-        mine = invalid_counts(self._counts)
+        mine = invalid_counts([(index, count) for index, (_, _, count) in enumerate(self._counts)])
+        step = ctx.optimizer_steps + 1
         if mine:
-            batch_idx, value = mine[0]
+            index, value = mine[0]
+            found, batch_idx, _ = self._counts[index]
+            late = ""
+            if found < step:  # a window whose counts stayed on the device (docs/normalization.md)
+                late = (
+                    f", in the window of optimizer step {found}, read at the check of step {step} (device counts are"
+                    f" read on a fit's first {CHECKED_WINDOWS} windows and on logged steps): the steps in between were"
+                    " taken with it"
+                )
             raise ValueError(
-                f"`count_items` returned {value} for batch {batch_idx}: a micro-batch's count must be a finite"
-                " number >= 0 (the optimizer step was not taken)"
+                f"`count_items` returned {value} for batch {batch_idx}{late}: a micro-batch's count must be a finite"
+                f" number >= 0 (optimizer step {step} was not taken)"
             )
         raise ValueError(
-            f"`count_items` returned a negative, NaN or infinite count on {ranks} other rank(s) in the window ending"
+            f"`count_items` returned a negative, NaN or infinite count on {ranks} other rank(s) up to the window ending"
             f" at batch {ctx.batch_idx}: see that rank's error (the optimizer step was not taken)"
         )
 
@@ -218,4 +258,5 @@ class ItemWeighting(Feature):
 
     @override
     def window_closed(self, ctx: Context) -> None:
-        ctx.metrics[f"accum/window_{self.normalize_by}s"] = ctx.window_items or 0.0
+        # a tensor is read only if the step is logged
+        ctx.metrics[f"accum/window_{self.normalize_by}s"] = ctx.window_items if ctx.window_items is not None else 0.0

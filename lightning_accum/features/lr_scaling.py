@@ -1,8 +1,10 @@
 """LR scaling (``lr_scaling``, ``base_batch_size``, ``lr_warmup_steps``, ``lr_scale_max``): the LR follows the batch.
 
-At each window's opening the scale's target is set from the window's effective batch (linear or square-root rule of
-:mod:`lightning_accum.scaling`, capped at ``lr_scale_max``, with an optional warmup); the scale multiplies each param
-group's ``lr`` only while ``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with
+At each window's opening the scale's target is set from the factor's effective batch (linear or square-root rule of
+:mod:`lightning_accum.scaling`, capped at ``lr_scale_max``, with an optional warmup); a window that holds fewer
+micro-batches than its factor (an epoch's last, ``limit_train_batches``, an epoch of unknown length that ends) steps at
+the rate of the batch it holds, without moving the warmup's target. The scale multiplies each param group's ``lr``
+only while ``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with
 ``lr_scaling="none"`` the scale is 1, no optimizer step is wrapped, and only ``accum/lr`` and ``accum/lr_scale`` are
 logged.
 
@@ -26,6 +28,7 @@ from lightning_accum.scaling import (
     ScaleWarmup,
     check_max_scale,
     check_rule,
+    held_window_scale,
     lr_scale,
     lr_summary,
 )
@@ -56,7 +59,7 @@ class LRScaling(Feature):
         >>> optimizer = torch.optim.SGD([param], lr=0.1)
         >>> features = Features([LRScaling("linear", base_batch_size=8)])
         >>> ctx = Context(micro_batch_size=4, optimizers=[optimizer], factor=4)
-        >>> features.dispatch(Event.FIT_START, ctx); features.dispatch(Event.WINDOW_OPENED, ctx)
+        >>> features.dispatch(Event.FIT_START, ctx); ctx.window.open(4); features.dispatch(Event.WINDOW_OPENED, ctx)
         >>> optimizer.step(); round(param.item(), 6), optimizer.param_groups[0]["lr"]  # stepped with 0.1 x 16/8
         (-0.2, 0.1)
         >>> features.dispatch(Event.FIT_END, ctx)
@@ -129,7 +132,14 @@ class LRScaling(Feature):
             over = f" over {self._warmup.steps} steps" if self._warmup.steps else ""
             ctx.summary.append(f"lr scale {self._warmup.target:.4g} -> {target:.4g}{over}")
         self._warmup.set(target, step=ctx.optimizer_steps)
-        self._scale = self._warmup.value(ctx.optimizer_steps)
+        self._scale = self._held(ctx, ctx.window.size)
+
+    def _held(self, ctx: Context, micro_batches: int) -> float:
+        """The scale of a step on ``micro_batches`` of the window's factor: the rule at the batch the window holds."""
+        assert self.base_batch_size is not None, "resolved at fit start"
+        full, held = ctx.effective_batch(ctx.factor), ctx.effective_batch(micro_batches)
+        scale = self._warmup.value(ctx.optimizer_steps)
+        return held_window_scale(self.rule, scale, held, full, self.base_batch_size, self.max_scale)
 
     def _bounded(self, scale: float, ctx: Context) -> float:
         """``scale`` within ``max_scale``; the first scale past the bound (or past :data:`SCALE_WARNING`) is told."""
@@ -149,6 +159,8 @@ class LRScaling(Feature):
 
     @override
     def window_closing(self, ctx: Context) -> None:
+        if ctx.window.taken < ctx.window.size:  # an epoch of unknown length ended: the window holds what it took
+            self._scale = self._held(ctx, ctx.window.taken)
         # what ScaledStep hands the optimizer for the update; the LR scheduler steps only after the optimizer
         scaled = next((s for s in self._scaled_steps if s.optimizer is ctx.optimizer), None)
         configured = scaled.configured() if scaled else [group["lr"] for group in ctx.optimizer.param_groups]

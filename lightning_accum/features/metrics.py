@@ -3,9 +3,10 @@
 Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's values in ``ctx.metrics`` and logs them
 with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
 in one call per logger, every ``log_every_n_steps`` optimizer steps (published as ``ctx.log_every`` at ``FIT_START``,
-so that the noise scale measures the logged steps). At ``FIT_START`` it writes the Custom Scalars layout and the
-run's summary line (the other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line
-of its own above the progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
+read by item weighting, which checks its device counts on the logged steps); what the device holds is read to the host
+in one read, on a logged step only. At ``FIT_START`` it writes the Custom Scalars layout and the run's summary line
+(the other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line of its own above the
+progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
 LR scale, it adds an entry saying what changed, at which optimizer step and sample. The progress bar shows the factor
 and the effective batch as integers, and says when a window was cut short (``ctx.run.show_in_progress_bar``).
 """
@@ -92,6 +93,12 @@ class Metrics(Feature):
         if ctx.optimizer_steps != self._step or not self._logging:  # no step taken (no backward), or not logged
             return
         loggers = ctx.run.loggers
+        # what the device holds (the window's loss, device counts, other features' tensors): read in one go
+        held = {name: value for name, value in ctx.metrics.items() if isinstance(value, torch.Tensor)}
+        for name, value in (("loss", self._loss), ("items", self._items)):
+            if isinstance(value, torch.Tensor):
+                held[f"_{name}"] = value.sum()
+        read = _read(held)
         record = StepRecord(
             factor=ctx.factor,
             micro_steps_in_window=ctx.window.taken,
@@ -100,11 +107,14 @@ class Metrics(Feature):
             samples_seen=ctx.samples_seen,
             optimizer_steps=ctx.optimizer_steps,
             micro_steps=ctx.micro_steps,
-            window_loss=self._window_loss(ctx),
+            window_loss=self._window_loss(
+                ctx, read.get("_loss"), read["_items"] if "_items" in read else float(self._items)
+            ),
             seconds=time.perf_counter() - self._started,
         )
         device = getattr(ctx.module, "device", torch.device("cpu"))
         metrics = {**step_metrics(record), **memory_metrics(device), **ctx.metrics}
+        metrics.update((name, value) for name, value in read.items() if not name.startswith("_"))
         for logger in loggers:
             logger.log_metrics(metrics, step=ctx.optimizer_steps)
         if not self._layout_written:
@@ -114,10 +124,19 @@ class Metrics(Feature):
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(layout)
 
-    def _window_loss(self, ctx: Context) -> float | None:
-        if self._loss is None:
+    def _window_loss(self, ctx: Context, loss: float | None, items: float) -> float | None:
+        if loss is None:
             return None
         if ctx.items is None:
-            return self._loss.item() * ctx.window.gradient_correction
-        items = float(torch.as_tensor(self._items).sum())
-        return self._loss.item() / items if items > 0 else None
+            return loss * ctx.window.gradient_correction
+        return loss / items if items > 0 else None
+
+
+def _read(tensors: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The values of 0-d tensors, read to the host together: one wait for the device."""
+    if not tensors:
+        return {}
+    first = next(iter(tensors.values()))
+    dtype = torch.float32 if first.device.type == "mps" else torch.float64
+    values = torch.stack([t.detach().to(device=first.device, dtype=dtype).reshape(()) for t in tensors.values()])
+    return dict(zip(tensors, values.tolist(), strict=True))

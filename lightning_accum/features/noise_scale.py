@@ -1,7 +1,7 @@
 """The gradient noise scale (``noise_scale=True``), measured on sampled windows from the micro-batch gradients.
 
-A window is measured when the optimizer step it ends in is a multiple of ``interval``, or is logged (every
-``log_every_n_steps``, so that each logged value includes its own step). For that window only, each trainable
+A window is measured when the optimizer step it ends in is a multiple of ``interval``; a logged step logs the latest
+estimate, whichever window it was measured on. For that window only, each trainable
 parameter gets a gradient hook (``Tensor.register_hook``): it sees the micro-batch's own gradient before autograd adds
 it to ``.grad`` (and, under DDP, before the all-reduce), squares it into an entry of a float32 vector allocated
 beforehand, and lets it go. ``.grad`` is never replaced, aliased or kept, and no tensor made inside a backward outlives
@@ -14,7 +14,7 @@ With ``adaptive`` (adaptive growth acts on it), on one process where the schedul
 of one loader batch asks for two halves (``ctx.noise_parts``): the micro-batcher runs each half as a micro-batch, so
 the window has two gradients to compare.
 
-Reads ``ctx.items``, ``ctx.window_items`` (item weighting) and ``ctx.log_every`` (the metrics); publishes
+Reads ``ctx.items`` and ``ctx.window_items`` (item weighting; a tensor is read with the window's sums); publishes
 ``ctx.noise`` at ``FIT_START`` and at each measured window's ``GRADIENT_READY``, ``ctx.noise_parts`` at ``FIT_START``
 (the most it will ask for) and ``WINDOW_OPENED``.
 """
@@ -47,7 +47,7 @@ class NoiseScale(Feature):
         decay: Decay of the moving averages that smooth the two estimates, per optimizer step, in ``[0, 1)``: a
             measured window ``k`` steps after the previous one weighs ``1 - decay ** k``.
         interval: Measure every ``interval``-th window (by the optimizer step it ends in); ``1`` measures every one.
-            Windows whose step is logged are measured too.
+            The other windows cost nothing, logged ones included (they log the latest estimate).
         adaptive: Adaptive growth acts on the estimate: on one process a measured window of one loader batch runs as
             its two halves, so that factor 1 has two gradients to compare (the loss must be a mean over the batch's
             rows); the measurements are also averaged per measured window, the evidence its decisions read
@@ -154,7 +154,7 @@ class NoiseScale(Feature):
         self._release()  # a window dropped before its step leaves nothing behind
         self._check_halves(ctx)
         step = ctx.optimizer_steps + 1  # the step this window ends in
-        measured = step % self.interval == 0 or (ctx.log_every > 0 and step % ctx.log_every == 0)
+        measured = step % self.interval == 0
         ctx.noise_parts = 2 if measured and self._halves and ctx.window.size == 1 else 1
         if measured:
             self._params = [param for param in ctx.module.parameters() if param.requires_grad]
@@ -217,8 +217,9 @@ class NoiseScale(Feature):
         self._release()
         # every rank measures the same windows and adds its sums in, whatever it has to add
         reduce = ctx.reduce if ctx.world_size > 1 else None
-        small, bearing, inverse, micro_batches, in_parts, big_sq = window_sums(
-            backwards, parts, entries, first_mean, reduce
+        counted = ctx.window_items if isinstance(ctx.window_items, torch.Tensor) else None
+        small, bearing, inverse, micro_batches, in_parts, big_sq, *items = window_sums(
+            backwards, parts, entries, first_mean, reduce, counted
         )
         if in_parts:
             if not self._warned:
@@ -236,7 +237,8 @@ class NoiseScale(Feature):
         inverse_small = inverse / bearing
         # the step is the mean over every item of the window on every rank (item weighting), or else the mean of the
         # micro-batches' means over every rank
-        big = ctx.window_items if ctx.window_items is not None else micro_batches / inverse_small
+        big = float(items[0] if items else ctx.window_items) if ctx.window_items is not None else None
+        big = big if big is not None else micro_batches / inverse_small
         self.measurement = NoiseMeasurement(small_sq, big_sq, inverse_small, big, int(bearing))
         step = ctx.optimizer_steps + 1  # the step this window ends in; the averages decay per step since the last
         if self._estimator.update(small_sq, big_sq, inverse_small, big, steps=step - self._step) is not None:

@@ -1,7 +1,8 @@
 """Token count (``unit="token"``): the loss-bearing tokens consumed by all ranks, the position of a token schedule.
 
 Counts each micro-batch's tokens as ``normalize_by="token"`` does (labels at ``token_key`` that are not
-``ignore_index``, or ``count_items`` when the run normalizes by token), adds them up over the window on the device,
+``ignore_index``), or with ``count_items`` unless that counts samples (``normalize_by="sample"``), adds them up over the
+window on the device,
 and sums the window over ranks once per optimizer step (one scalar all-reduce), so every rank holds the same count and
 opens the same windows. The count is checkpointed.
 
@@ -27,8 +28,9 @@ class TokenCount(Feature):
     Args:
         token_key: Where the labels are: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
-        count_items: ``batch -> int or tensor`` counting a micro-batch's tokens instead, where the run also weighs by
-            token (``normalize_by="token"``): the schedule counts what the weighting counts.
+        count_items: ``batch -> int or tensor`` counting a micro-batch's tokens instead (under
+            ``normalize_by="token"`` the schedule so counts what the weighting counts); under ``normalize_by="sample"``
+            it counts samples, and the tokens are read from the labels.
         normalize_by: The run's item weighting. Under ``"token"`` the weighting warns of labels its count may
             misread (:func:`~lightning_accum.items.label_warning`), so this feature does not warn again.
 
@@ -54,7 +56,7 @@ class TokenCount(Feature):
         count_items: Callable[[Any], Any] | None = None,
         normalize_by: str = "micro_batch",
     ) -> None:
-        count_items = count_items if normalize_by == "token" else None
+        count_items = None if normalize_by == "sample" else count_items  # there it counts samples
         self._warns = normalize_by != "token"
         counter = make_counter("token", token_key, ignore_index, count_items, purpose="schedule")
         assert counter is not None

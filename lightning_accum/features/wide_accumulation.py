@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.events import Context, DataParallel, Feature
-from lightning_accum.precision import WideAccumulator, narrower
+from lightning_accum.precision import WideAccumulator, narrower, scale_in_place
 from lightning_accum.sync import fsdp2_widen_reduce_dtype
 
 
@@ -182,7 +182,7 @@ class WideAccumulation(Feature):
         if self._reduces:
             accumulator.reduce(ctx.run.all_reduce_sum, ctx.world_size)
         accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
-        if ctx.gradient_scale != 1.0 and ctx.optimizer is not None:  # parameters accumulated in place, as usual
+        if ctx.optimizer is not None:  # parameters accumulated in place, as usual
             covered = {id(p) for p in accumulator.params}
             rest = [
                 p.grad
@@ -190,8 +190,7 @@ class WideAccumulation(Feature):
                 for p in group["params"]
                 if p.grad is not None and id(p) not in covered
             ]
-            if rest:
-                torch._foreach_mul_(rest, ctx.gradient_scale)
+            scale_in_place(rest, ctx.gradient_scale)
         ctx.gradient_scale = 1.0
 
     @override
