@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_accum._ranks import any_rank, smallest
@@ -108,7 +108,6 @@ class MicroBatcher:
         self.coupled: tuple[int, int] | None = None  # the step calls `cached`: (its batch's rows, the chunk size)
         self._in_part = False  # a part of a split loader batch runs the user's training_step
         self._unlisten: Callable[[], None] | None = None
-        self._refusal: str | None = None  # why this fit's strategy cannot run `cached`
         # the loader batch's mean loss and its items; None for a batch handed on whole
         self._report: tuple[torch.Tensor | None, Any] | None = (None, None)
 
@@ -182,15 +181,12 @@ class MicroBatcher:
         """
         if trainer.global_step == 0 and trainer.ckpt_path is None:
             self.coupled = None
-        self._refusal = _refusal(trainer.strategy)
         if self._unlisten is None:
             self._unlisten = add_listener(self._heard)
         return self.coupled is None
 
     def _heard(self, rows: int, chunk_size: int | None) -> int | None:
         """A ``cached`` call: a part of a split batch stops here; lend the micro-batch size as the chunk size."""
-        if self._refusal is not None:
-            raise ValueError(self._refusal)
         if self._in_part:
             raise _Coupled
         self.coupled = (rows, chunk_size or self.size or rows)
@@ -239,7 +235,7 @@ class MicroBatcher:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()  # one fit's, one process's:
         state.update(_module=None, _original=None, _trainer=None, _owner=None, _window=None, _report=(None, None))
-        state.update(_inspected=False, _in_part=False, _unlisten=None, _refusal=None)
+        state.update(_inspected=False, _in_part=False, _unlisten=None)
         state["_parts"] = _whole
         return state
 
@@ -404,18 +400,6 @@ class MicroBatcher:
                 yield
         else:
             yield
-
-
-def _refusal(strategy: Any) -> str | None:
-    """Why ``cached`` cannot be exact under ``strategy`` (it shards or reduces the gradients itself), or ``None``."""
-    if not isinstance(strategy, (FSDPStrategy, ModelParallelStrategy, DeepSpeedStrategy)):
-        return None
-    return (
-        f"lightning_accum.cached() under {type(strategy).__name__}: the replay hands autograd each parameter's whole"
-        " gradient at once, which a strategy that shards parameters or reduces gradients inside its own engine"
-        " (FSDP, FSDP2, DeepSpeed) does not receive. Train a coupled loss on one device or with DDP"
-        " (DDPAccumulationStrategy), or compute it without cached()"
-    )
 
 
 class _Coupled(Exception):  # noqa: N818 (a signal, not an error: it never leaves the micro-batcher)

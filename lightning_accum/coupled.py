@@ -6,14 +6,15 @@ returns the whole batch's embeddings; the loss is computed on the whole batch; t
 its random state and autocast state restored and pushes the cached embedding gradient through it. The gradient is the
 big batch's; the memory held is one chunk's graph. :func:`all_gather_with_grad` makes the batch span every rank.
 
-This module owns the chunking, the RNG and autocast capture and replay, and the world-size rule. It does not know the
-Trainer: the Lightning glue learns of each ``cached`` call through :func:`add_listener`.
+This module owns the chunking (by rows, or by a token budget over rows sorted by length), the RNG and autocast capture
+and replay, the refusal of parameters that a distributed engine shards, and the gather's gradient rule. It does not
+know the Trainer: the Lightning glue learns of each ``cached`` call through :func:`add_listener`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 Listener = Callable[[int, int | None], int | None]
 _listeners: list[Listener] = []
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def add_listener(listener: Listener) -> Callable[[], None]:
@@ -50,27 +52,45 @@ def add_listener(listener: Listener) -> Callable[[], None]:
     return lambda: _listeners.remove(listener)
 
 
-def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwargs: Any) -> Any:
+def cached(
+    module: nn.Module, *inputs: Any, chunk_size: int | None = None, chunk_tokens: int | None = None, **kwargs: Any
+) -> Any:
     """``module(*inputs, **kwargs)``, computed in chunks of rows with the big batch's exact gradient.
 
-    Every tensor in ``inputs`` and ``kwargs`` (nested in tuples, lists and dicts too) is cut along its first
-    dimension, which all of them share; anything else, and a tensor without dimensions, goes whole to every chunk.
-    The chunks run under ``torch.no_grad()``, and their outputs (a tensor, or tuples, lists and dicts of tensors) are
-    concatenated along dimension 0. When grad is enabled and a parameter of ``module`` or an input requires grad, the
-    result requires grad; its backward replays each chunk with the CPU and device RNG states and the autocast state of
-    its first run, and sends the chunk's slice of the incoming gradient through it. The gradients of all chunks are
-    summed (in float32 where narrower) and handed to autograd as the gradients of the parameters (and inputs), so each
-    parameter's ``.grad`` is written once per backward, as DDP requires, even for a tower that two ``cached`` calls
-    share, and a hook on a parameter sees the summed gradient once (the replay runs on aliases of the parameters).
-    With grad disabled (validation) the chunks run the same way and the concatenation is returned.
+    Every tensor in ``inputs`` and ``kwargs`` (nested in tuples, lists and mappings too: a dict, a tokenizer's
+    ``BatchEncoding``, sentence-transformers' features) is cut along its first dimension, which all of them share;
+    anything else, and a tensor without dimensions, goes whole to every chunk. A mapping that is not a dict (a
+    ``BatchEncoding``) reaches the module as a dict of its chunk. The chunks run under ``torch.no_grad()``, and their
+    outputs are concatenated along dimension 0: a tensor, or tuples, lists and dicts of tensors (a ``ModelOutput`` keeps
+    its type), where anything that is not a tensor (a ``"modality"`` string) is the first chunk's. When grad is enabled
+    and a parameter of ``module`` or an input requires grad, the result requires grad; its backward replays each chunk
+    with the CPU and device RNG states and the autocast state of its first run, and sends the chunk's slice of the
+    incoming gradient through it. The chunks' gradients accumulate in place (in float32 where narrower) and are handed
+    to autograd as the gradients of the parameters (and inputs), so each parameter's ``.grad`` is written once per
+    backward, as DDP requires, even for a tower that two ``cached`` calls share, and a hook on a parameter sees the
+    summed gradient once (the replay runs on aliases of the parameters). With grad disabled (validation) the chunks
+    run the same way and the concatenation is returned.
+
+    **Rows must be independent inside the module**: each row's output may depend on its own inputs and the parameters,
+    never on the other rows of the batch. A layer that mixes rows (``x - x.mean(0)``, a batch statistic, attention
+    across the batch) sees only its chunk, and the gradient is silently not the big batch's. Norm layers are checked;
+    nothing else can be. The loss outside ``cached`` may couple the rows as it likes.
 
     Args:
         module: The tower. Its ``BatchNorm`` layers must be in eval mode; only the default generators' random state is
-            restored (a module drawing from a ``torch.Generator`` of its own is not exact).
+            restored (a module drawing from a ``torch.Generator`` of its own is not exact). Its parameters must be
+            whole on this process (not ZeRO-3 partitions, FSDP flat parameters or DTensor shards).
         *inputs: The positional arguments of ``module``.
-        chunk_size: The rows of a chunk (the last holds what is left). ``None``: in a fit with an
+        chunk_size: The most rows of a chunk (the last holds what is left). ``None``: in a fit with an
             :class:`~lightning_accum.AccumulationScheduler`, its ``micro_batch_size`` (the size ``"auto"`` has
-            found); else one chunk, the whole batch (exact still, and no graph kept between forward and backward).
+            found); else no limit: one chunk, the whole batch (exact still, and no graph kept between the passes).
+        chunk_tokens: The most tokens of a chunk, counted as its rows times its longest row, for text padded under an
+            ``attention_mask`` (2-D, a mapping's key or a keyword argument; exactly one). The rows are taken longest
+            first, each chunk as many as fit (at least one), and each chunk is cut to its longest row: every tensor
+            whose second dimension is the mask's length loses the columns that are padding in all the chunk's rows.
+            Exact for a module that ignores padded positions as the mask says (a transformer with a mean or CLS
+            pooling) and returns no per-token output; the outputs come back in the batch's order. ``None``: chunks
+            by rows only, nothing cut.
         **kwargs: The keyword arguments of ``module``.
 
     Returns:
@@ -78,10 +98,12 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
 
     Raises:
         TypeError: If ``module`` is not an ``nn.Module``.
-        ValueError: If ``chunk_size`` is not a positive int; if ``module`` holds a ``BatchNorm`` in training mode or
-            without running statistics (its statistics would be each chunk's), or a norm that updates running
-            statistics in training mode (the replay would update them again); if the tensors disagree on the first
-            dimension; if an output is not a tensor whose first dimension is the chunk's rows.
+        ValueError: If ``chunk_size`` or ``chunk_tokens`` is not a positive int; if ``module`` holds a ``BatchNorm`` in
+            training mode or without running statistics (its statistics would be each chunk's), or a norm that
+            updates running statistics in training mode (the replay would update them again); if a parameter is
+            sharded by a distributed engine; if the tensors disagree on the first dimension; if ``chunk_tokens`` finds
+            no attention mask, or several; if an output tensor is not one of the chunk's rows, or changes shape
+            between chunks beyond its rows.
 
     Example::
 
@@ -97,9 +119,12 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
             f"cached() runs an nn.Module (its parameters get the gradient), got `module={module!r}`: wrap the function"
             " in a module, or pass the module it calls"
         )
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"`chunk_size` must be a positive int, got {chunk_size!r}")
+    for name, value in (("chunk_size", chunk_size), ("chunk_tokens", chunk_tokens)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"`{name}` must be a positive int, got {value!r}")
     _check_norms(module)
+    _check_whole(module)
+    inputs, kwargs = _as_dicts((inputs, kwargs))
     leaves, spec = pytree.tree_flatten((inputs, kwargs))
     rows = _rows(inputs, kwargs)
     named = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
@@ -108,7 +133,11 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
     graph = torch.is_grad_enabled() and bool(params or any(tensor.requires_grad for tensor in tensors))
     lent = [listener(rows, chunk_size) for listener in list(_listeners)] if graph else []
     step = chunk_size or next((size for size in lent if size is not None), None) or max(rows, 1)
-    run = _Chunks(module, leaves, spec, [(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)])
+    run = _Chunks(module, leaves, spec)
+    if chunk_tokens is None:
+        run.bounds = [(start, min(start + step, rows)) for start in range(0, max(rows, 1), step)]
+    else:
+        run.by_tokens(_attention_mask(inputs, kwargs), chunk_tokens, step)
     if not graph:
         with torch.no_grad():
             return run.unflatten(run.first_pass())
@@ -121,14 +150,14 @@ def cached(module: nn.Module, *inputs: Any, chunk_size: int | None = None, **kwa
 def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
     """Every rank's ``tensor``, concatenated along dimension 0 in rank order, with the gradient of this rank's rows.
 
-    For a loss that every rank computes identically on the global batch (InfoNCE over every rank's embeddings). The
-    backward hands this rank the gradient of its own rows multiplied by the world size ``W``. Why: rank ``r``'s
-    parameters reach the global loss ``L`` only through its rows, so it computes ``g_r``, its rows' share of
-    ``dL/dθ``; the true gradient is ``sum_r g_r``; DDP averages over ranks, ``(1/W) sum_r g_r``; the factor ``W``
-    restores the sum. A parameter that enters the loss directly (a learnable temperature) already gets all of
-    ``dL/dθ`` on every rank, and DDP's average of ``W`` equal values is right: it takes no factor, and takes none here
-    since it does not pass through this function. The rule assumes the loss is the same on every rank: a loss of this
-    rank's rows only (local queries against gathered documents) needs the incoming gradients summed over ranks instead.
+    For a loss over the global batch, whether every rank computes the same loss on all of it (InfoNCE over every
+    rank's embeddings) or each rank the loss of its own rows against all of them (OpenCLIP's ``local_loss=True``).
+    The backward sums the incoming gradients over the ranks (one all-reduce of the gathered tensor's gradient) and
+    hands this rank the sum's rows of its own. Why: under DDP's average the objective is the mean of the ranks' losses,
+    ``L = (1/W) sum_k L_k``; rank ``r``'s rows reach every ``L_k``, so their gradient is ``(1/W) sum_k dL_k/dx_r``, and
+    DDP's division by ``W`` leaves ``sum_k dL_k/dx_r`` to each rank. When every rank computes the same loss the sum is
+    ``W`` times each rank's own. A parameter that enters the loss directly (a learnable temperature) gets
+    ``dL_k/dθ`` on rank ``k``, whose DDP average is right as it is: it does not pass through this function.
 
     Without an initialized process group, or with one rank, ``tensor`` itself is returned.
 
@@ -155,7 +184,7 @@ def all_gather_with_grad(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """All-gather in forward; this rank's rows of the incoming gradient, times the world size, in backward."""
+    """All-gather in forward; in backward, the incoming gradients summed over ranks, this rank's rows of the sum."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
@@ -167,8 +196,10 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        summed = grad.clone(memory_format=torch.contiguous_format)  # autograd's buffer is not ours to reduce into
+        dist.all_reduce(summed)
         start = dist.get_rank() * ctx.rows
-        return grad[start : start + ctx.rows] * dist.get_world_size()
+        return summed[start : start + ctx.rows]
 
 
 def _check_norms(module: nn.Module) -> None:
@@ -185,6 +216,48 @@ def _check_norms(module: nn.Module) -> None:
                 " replay in backward would run it again on each chunk (updating running statistics a second time)."
                 " Put it in eval mode with running statistics, or use a norm without them (LayerNorm)"
             )
+
+
+def _check_whole(module: nn.Module) -> None:
+    """Refuse a parameter that a distributed engine shards: the replay would bypass its gather and its reduction."""
+    for name, param in module.named_parameters():
+        engine = _sharded_by(param)
+        if engine is not None:
+            raise ValueError(
+                f"cached() cannot run `{type(module).__name__}`: its parameter `{name}` is {engine}, which that engine"
+                " gathers and reduces inside its own hooks, while the replay in backward runs the chunks on aliases"
+                " of the parameters and hands autograd each parameter's whole gradient at once. Train a coupled loss"
+                " on one device, with DDP (DDPAccumulationStrategy) or DeepSpeed ZeRO stage 1 or 2, or compute it"
+                " without cached()"
+            )
+
+
+def _sharded_by(param: torch.Tensor) -> str | None:
+    """What shards ``param`` (a DeepSpeed ZeRO-3 partition, an FSDP flat parameter, a DTensor), or ``None``."""
+    if hasattr(param, "ds_id"):
+        return "a DeepSpeed ZeRO-3 partition"
+    if getattr(param, "_fsdp_flattened", False) or getattr(param, "_is_flat_param", False):
+        return "part of an FSDP flat parameter"
+    if dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, DTensor):
+            return "a DTensor (FSDP2 or tensor parallelism)"
+    return None
+
+
+def _is_opaque_mapping(node: Any) -> bool:
+    """A mapping that torch's pytree does not take apart (``BatchEncoding``, any ``UserDict``)."""
+    return isinstance(node, Mapping) and type(node) not in pytree.SUPPORTED_NODES
+
+
+def _as_dicts(tree: Any) -> Any:
+    """``tree`` with each mapping that torch's pytree does not take apart turned into a dict of its items."""
+    return pytree.tree_map(
+        lambda node: {key: _as_dicts(value) for key, value in node.items()} if _is_opaque_mapping(node) else node,
+        tree,
+        is_leaf=_is_opaque_mapping,
+    )
 
 
 def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -204,6 +277,22 @@ def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return rows
 
 
+def _attention_mask(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The one 2-D tensor under the key ``attention_mask`` in the arguments, for ``chunk_tokens``."""
+    found = [
+        leaf
+        for path, leaf in pytree.tree_flatten_with_path((inputs, kwargs))[0]
+        if path and getattr(path[-1], "key", None) == "attention_mask" and isinstance(leaf, torch.Tensor)
+    ]
+    if len(found) != 1 or found[0].dim() != 2:
+        shapes = [tuple(mask.shape) for mask in found]
+        raise ValueError(
+            "`chunk_tokens` counts each row's tokens by one 2-D `attention_mask` (a key of a mapping argument, or a"
+            f" keyword argument), found {len(found)}{f' with shapes {shapes}' if found else ''}: use chunk_size"
+        )
+    return found[0]
+
+
 def _restore_rng(cpu_state: torch.Tensor, states: list[torch.Tensor], devices: list[int], device_type: str) -> None:
     """Set the random state a chunk's first pass started from (the CPU's, and the devices')."""
     torch.set_rng_state(cpu_state)
@@ -212,20 +301,66 @@ def _restore_rng(cpu_state: torch.Tensor, states: list[torch.Tensor], devices: l
 
 
 class _Chunks:
-    """One ``cached`` call: the arguments, the chunks' bounds, the state each chunk ran with, and its two passes."""
+    """One ``cached`` call: the arguments, the chunks, the state each chunk ran with, and its two passes.
 
-    def __init__(self, module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, bounds: list[tuple[int, int]]):
-        self.module, self.leaves, self.spec, self.bounds = module, leaves, spec, bounds
+    With ``chunk_tokens`` the rows are taken in ``order`` (longest first) and each chunk is cut to its ``widths``
+    entry; the passes work on the rows in that order, and what they return is put back in the batch's order.
+    """
+
+    def __init__(self, module: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> None:
+        self.module, self.leaves, self.spec = module, leaves, spec
+        self.bounds: list[tuple[int, int]] = []
+        self.order: torch.Tensor | None = None  # the rows, longest first; None: the batch's order
+        self.widths: list[int] = []  # each chunk's columns, with chunk_tokens
+        self.columns = 0  # the attention mask's length: tensors with this second dimension are cut to a width
         self.output_spec: pytree.TreeSpec | None = None
+        self.constants: dict[int, Any] = {}  # the outputs that are not tensors (the first chunk's), by position
         self.names: list[str] = []  # the trainable parameters' names, which the replay runs on aliases of
         self.device_type = "cuda"
         self.representatives: list[torch.Tensor] = []  # one tensor on each device whose RNG state a chunk keeps
         self.autocast: list[tuple[str, dict[str, Any]]] = []
         self.rng: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
 
+    def by_tokens(self, mask: torch.Tensor, tokens: int, most_rows: int) -> None:
+        """Chunks of at most ``tokens`` tokens (rows x longest row) and ``most_rows`` rows, over rows longest first."""
+        self.columns = mask.shape[1]
+        positions = torch.arange(1, self.columns + 1, device=mask.device)
+        lengths = torch.where(mask != 0, positions, 0).amax(1)  # each row's last unpadded column, plus one
+        self.order = torch.argsort(lengths, descending=True, stable=True)
+        longest = lengths[self.order].clamp(min=1).tolist()
+        start = 0
+        while start < len(longest):
+            stop = min(start + max(1, tokens // longest[start]), start + most_rows, len(longest))
+            self.bounds.append((start, stop))
+            self.widths.append(longest[start])
+            start = stop
+
+    def in_order(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``'s rows in the order the chunks take them."""
+        return tensor if self.order is None or tensor.dim() == 0 else tensor.index_select(0, self.order)
+
+    def in_batch_order(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows in the chunks' order put back in the batch's."""
+        if self.order is None:
+            return tensor
+        return torch.empty_like(tensor).index_copy_(0, self.order, tensor)
+
+    def cut(self, tensor: Any, index: int) -> Any:
+        """Chunk ``index``'s rows of ``tensor`` (in the chunks' order), cut to its width; anything else whole."""
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+            return tensor
+        start, stop = self.bounds[index]
+        if self.widths and tensor.dim() > 1 and tensor.shape[1] == self.columns:
+            return tensor[start:stop, : self.widths[index]]
+        return tensor[start:stop]
+
     def unflatten(self, flat: list[torch.Tensor]) -> Any:
         assert self.output_spec is not None, "the first pass sets the structure of the outputs"
-        return pytree.tree_unflatten(flat, self.output_spec)
+        tensors = iter(flat)
+        leaves = [
+            self.constants[i] if i in self.constants else next(tensors) for i in range(self.output_spec.num_leaves)
+        ]
+        return pytree.tree_unflatten(leaves, self.output_spec)
 
     @property
     def devices(self) -> list[int]:
@@ -247,84 +382,142 @@ class _Chunks:
             kwargs["cache_enabled"] = cache
 
     def outputs(self, output: Any, rows: int) -> list[torch.Tensor]:
-        """``output``'s tensors, checked: each a tensor of ``rows`` rows, in the structure of the first chunk's."""
+        """``output``'s tensors, each checked to hold ``rows`` rows, in the structure of the first chunk's outputs.
+
+        What is not a tensor is kept from the first chunk (:attr:`constants`).
+        """
         found, spec = pytree.tree_flatten_with_path(output)
         for path, leaf in found:
-            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0 or leaf.shape[0] != rows:
-                what = f"{leaf.shape[0]} rows" if isinstance(leaf, torch.Tensor) and leaf.dim() else repr(leaf)[:60]
+            if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] != rows):
+                what = f"{leaf.shape[0]} rows" if leaf.dim() else "a tensor without dimensions"
                 raise ValueError(
                     f"cached(): the module's output{pytree.keystr(path)} must be a tensor of the chunk's {rows} rows,"
                     f" not {what}: return only per-row tensors (a Hugging Face model: pass use_cache=False)"
                 )
-        if self.output_spec is not None and spec != self.output_spec:
+        if self.output_spec is None:
+            self.output_spec = spec
+            self.constants = {i: leaf for i, (_, leaf) in enumerate(found) if not isinstance(leaf, torch.Tensor)}
+        elif spec != self.output_spec:
             raise ValueError(f"cached(): the module's outputs differ in structure between chunks: {spec}")
-        self.output_spec = spec
-        return [leaf for _, leaf in found]
+        return [leaf for _, leaf in found if isinstance(leaf, torch.Tensor)]
 
     def first_pass(self) -> list[torch.Tensor]:
         """Every chunk's output, run in the current grad mode and concatenated; each chunk's RNG state is kept."""
+        leaves = [self.in_order(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in self.leaves]
         parts = []
-        for start, stop in self.bounds:
+        for index, (start, stop) in enumerate(self.bounds):
             device_states = get_device_states(*self.representatives)[1] if self.representatives else []
             self.rng.append((torch.get_rng_state(), device_states))
-            cut = [x[start:stop] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in self.leaves]
-            args, kwargs = pytree.tree_unflatten(cut, self.spec)
+            args, kwargs = pytree.tree_unflatten([self.cut(leaf, index) for leaf in leaves], self.spec)
             parts.append(self.outputs(self.module(*args, **kwargs), stop - start))
-        return [torch.cat(pieces) if len(pieces) > 1 else pieces[0] for pieces in zip(*parts, strict=True)]
+        return [self.in_batch_order(self._joined(pieces)) for pieces in zip(*parts, strict=True)]
+
+    def _joined(self, pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        shapes = {tuple(piece.shape[1:]) for piece in pieces}
+        if len(shapes) > 1:
+            why = " (chunk_tokens cuts each chunk to its longest row)" if self.widths else ""
+            raise ValueError(
+                f"cached(): an output of the module changes shape between chunks beyond its rows, {sorted(shapes)}"
+                f"{why}: return only per-row outputs of one shape (a pooled embedding, not per-token states)"
+            )
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
     def replay(
         self, inputs: list[torch.Tensor], wanted: list[bool], params: list[torch.Tensor], grads: tuple[Any, ...]
     ) -> list[torch.Tensor | None]:
         """The gradients of ``inputs`` (those ``wanted``) and of ``params``, summed over the replayed chunks.
 
-        The chunks run on detached aliases of the parameters (``torch.func.functional_call``): a hook the user put on
-        a parameter sees its summed gradient once, when autograd hands it over, never a chunk's share. Gradients
-        narrower than float32 are summed in float32 and rounded once.
+        The chunks run on detached aliases of the parameters (one ``torch.func.functional_call`` around them all): a
+        hook the user put on a parameter sees its summed gradient once, when autograd hands it over, never a chunk's
+        share. Each chunk's backward accumulates into the aliases' ``.grad`` in place; gradients narrower than float32
+        are summed in float32 instead and rounded once.
         """
-        totals: list[torch.Tensor | None] = [None] * (len(inputs) + len(params))
+        inputs = [self.in_order(x) for x in inputs]
+        grads = tuple(g if g is None else self.in_order(g) for g in grads)
         aliases = [param.detach().requires_grad_() for param in params]
+        shared = [x.detach().requires_grad_(w) if x.dim() == 0 else None for x, w in zip(inputs, wanted, strict=True)]
+        sums: list[torch.Tensor | None] = [None] * (len(inputs) + len(params))  # inputs' rows, narrow parameters'
+
+        def every_chunk() -> None:
+            for index in range(len(self.bounds)):
+                self._replay_chunk(index, inputs, wanted, shared, aliases, grads, sums)
+
+        on_aliases = {f"module.{name}": alias for name, alias in zip(self.names, aliases, strict=True)}
         with torch.random.fork_rng(devices=self.devices, device_type=self.device_type):
-            for (start, stop), rng in zip(self.bounds, self.rng, strict=True):
-                _restore_rng(*rng, self.devices, self.device_type)
-                cut = [
-                    (x[start:stop] if x.dim() else x).detach().requires_grad_(w)
-                    for x, w in zip(inputs, wanted, strict=True)
-                ]
-                with torch.enable_grad(), contextlib.ExitStack() as autocast:
-                    for kind, state in self.autocast:
-                        autocast.enter_context(torch.autocast(kind, **state))
-                    tensors = iter(cut)
-                    leaves = [next(tensors) if isinstance(x, torch.Tensor) else x for x in self.leaves]
-                    args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-                    output = functional_call(self.module, dict(zip(self.names, aliases, strict=True)), args, kwargs)
-                    outputs = self.outputs(output, stop - start)
-                pairs = [
-                    (o, g[start:stop]) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad
-                ]
-                sources = [(i, x) for i, x in enumerate(cut) if wanted[i]] + list(enumerate(aliases, len(inputs)))
-                if not pairs or not sources:
-                    continue
-                outs, slices = zip(*pairs, strict=True)
-                found = torch.autograd.grad(outs, [x for _, x in sources], slices, allow_unused=True)
-                for (index, _), grad in zip(sources, found, strict=True):
-                    rows = (start, stop) if index < len(inputs) and inputs[index].dim() else None
-                    totals[index] = _accumulate(totals[index], grad, rows, [*inputs, *params][index])
-        wholes = [*inputs, *params]
-        return [total if total is None else total.to(wholes[i].dtype) for i, total in enumerate(totals)]
+            functional_call(_Holder(self.module), on_aliases, (every_chunk,))
+        found: list[torch.Tensor | None] = [
+            (None if total is None else self.in_batch_order(total)) if whole is None else whole.grad
+            for total, whole in zip(sums[: len(inputs)], shared, strict=True)
+        ]
+        for alias, total in zip(aliases, sums[len(inputs) :], strict=True):
+            found.append(alias.grad if total is None else total.to(alias.dtype))
+        return found
+
+    def _replay_chunk(
+        self,
+        index: int,
+        inputs: list[torch.Tensor],
+        wanted: list[bool],
+        shared: list[torch.Tensor | None],
+        aliases: list[torch.Tensor],
+        grads: tuple[Any, ...],
+        sums: list[torch.Tensor | None],
+    ) -> None:
+        """Chunk ``index`` again, from its random state, and its slice of ``grads`` backpropagated through it."""
+        _restore_rng(*self.rng[index], self.devices, self.device_type)
+        cut = [
+            whole if whole is not None else self.cut(x, index).detach().requires_grad_(w)
+            for x, w, whole in zip(inputs, wanted, shared, strict=True)
+        ]
+        start, stop = self.bounds[index]
+        with torch.enable_grad(), contextlib.ExitStack() as autocast:
+            for kind, state in self.autocast:
+                autocast.enter_context(torch.autocast(kind, **state))
+            tensors = iter(cut)
+            args, kwargs = pytree.tree_unflatten(
+                [next(tensors) if isinstance(x, torch.Tensor) else x for x in self.leaves], self.spec
+            )
+            outputs = self.outputs(self.module(*args, **kwargs), stop - start)
+        pairs = [(o, g[start:stop]) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad]
+        sources = [x for x, w in zip(cut, wanted, strict=True) if w] + aliases
+        if not pairs or not sources:
+            return
+        outs, slices = zip(*pairs, strict=True)
+        torch.autograd.backward(outs, slices, inputs=sources)
+        for i, x in enumerate(cut):
+            if shared[i] is None and x.grad is not None:
+                sums[i] = _placed(sums[i], x.grad, inputs[i], self.cut_index(x, index))
+        for i, alias in enumerate(aliases, len(inputs)):
+            if alias.dtype in _NARROW and alias.grad is not None:
+                total = sums[i]
+                sums[i] = alias.grad.float() if total is None else total.add_(alias.grad)
+                alias.grad = None
+
+    def cut_index(self, piece: torch.Tensor, index: int) -> tuple[slice, ...]:
+        """Where chunk ``index``'s ``piece`` of a tensor lies in the whole (its rows, and its width if cut)."""
+        start, stop = self.bounds[index]
+        if self.widths and piece.dim() > 1 and piece.shape[1] == self.widths[index]:
+            return slice(start, stop), slice(0, self.widths[index])
+        return (slice(start, stop),)
 
 
-def _accumulate(
-    total: torch.Tensor | None, grad: torch.Tensor | None, rows: tuple[int, int] | None, whole: torch.Tensor
-) -> torch.Tensor | None:
-    """``total`` with one chunk's ``grad`` added: to ``rows`` of a tensor cut by rows, else to all of it."""
-    if grad is None:
-        return total
-    if rows is None:
-        if total is None:  # a float32 copy of a narrower gradient; else autograd.grad's fresh tensor, ours to add to
-            return grad.float() if grad.dtype in (torch.bfloat16, torch.float16) else grad
-        return total.add_(grad)
+class _Holder(nn.Module):
+    """Holds the tower, so that one ``functional_call`` runs a whole replay on aliases of its parameters."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, replay: Callable[[], None]) -> None:
+        replay()
+
+
+def _placed(
+    total: torch.Tensor | None, grad: torch.Tensor, whole: torch.Tensor, where: tuple[slice, ...]
+) -> torch.Tensor:
+    """``total`` (zeros shaped as ``whole`` at first) with one chunk's ``grad`` written at ``where``."""
     total = torch.zeros_like(whole) if total is None else total
-    total[rows[0] : rows[1]] = grad
+    total[where] = grad
     return total
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
 
 from lightning_accum import coupled
 from lightning_accum.coupled import add_listener, all_gather_with_grad, cached
@@ -342,10 +344,11 @@ def test_tensors_that_disagree_on_rows_are_refused():
         cached(DictTower(), torch.zeros(6), batch={"ids": torch.zeros(6, 2), "mask": torch.zeros(5, 2)})
 
 
-@pytest.mark.parametrize("chunk_size", [0, -1, 2.5, True])
-def test_a_chunk_size_that_is_not_a_positive_int_is_refused(chunk_size):
-    with pytest.raises(ValueError, match=rf"`chunk_size` must be a positive int, got {chunk_size}"):
-        cached(Tower(), torch.zeros(6, IN_FEATURES), chunk_size=chunk_size)
+@pytest.mark.parametrize("argument", ["chunk_size", "chunk_tokens"])
+@pytest.mark.parametrize("value", [0, -1, 2.5, True])
+def test_a_chunk_size_or_token_budget_that_is_not_a_positive_int_is_refused(argument, value):
+    with pytest.raises(ValueError, match=rf"`{argument}` must be a positive int, got {value}"):
+        cached(Tower(), torch.zeros(6, IN_FEATURES), **{argument: value})
 
 
 class Summary(nn.Module):
@@ -361,6 +364,150 @@ class Summary(nn.Module):
 def test_an_output_without_the_chunks_rows_is_refused():
     with pytest.raises(ValueError, match=r"output\['mean'\] must be a tensor of the chunk's 4 rows, not 1 rows"):
         cached(Summary(), torch.zeros(6, IN_FEATURES), chunk_size=4)
+
+
+class Centred(Tower):
+    """Subtracts the batch's mean embedding: its rows are not independent."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y - y.mean(0)
+
+
+def test_a_tower_that_mixes_rows_is_not_the_big_batchs_unless_the_chunk_is_the_batch():
+    """The row rule: a batch statistic inside the tower sees only its chunk (cached cannot detect it)."""
+    q, d = make_batch()
+
+    def encoder() -> DualEncoder:
+        model = DualEncoder()
+        model.query = Centred()
+        return model
+
+    _, expected = step(encoder(), big_batch(q, d))
+    _, whole = step(encoder(), with_cache(q, d, None))
+    _, chunked = step(encoder(), with_cache(q, d, 6))
+    assert deviation(whole, expected) <= 1e-6
+    assert deviation(chunked, expected) > 1e-2
+
+
+class TokenTower(nn.Module):
+    """Token embeddings (or ``inputs_embeds``) with positions, self-attention under the padding mask, a masked mean."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.position = nn.Embedding(50, OUT_FEATURES), nn.Embedding(40, OUT_FEATURES)
+        self.attention = nn.MultiheadAttention(OUT_FEATURES, 2, dropout=dropout, batch_first=True)
+        self.out = nn.Sequential(nn.Linear(OUT_FEATURES, WIDTH), nn.GELU(), nn.Dropout(dropout), nn.Linear(WIDTH, 4))
+
+    def forward(
+        self, input_ids: torch.Tensor | None = None, attention_mask: Any = None, inputs_embeds: Any = None
+    ) -> torch.Tensor:
+        tokens = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        tokens = tokens + self.position(torch.arange(tokens.shape[1]))
+        padded = attention_mask == 0
+        mixed, _ = self.attention(tokens, tokens, tokens, key_padding_mask=padded, need_weights=False)
+        weights = attention_mask.unsqueeze(-1).to(mixed.dtype)
+        return self.out((mixed * weights).sum(1) / weights.sum(1))
+
+
+def padded_tokens(rows: int = BATCH, longest: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    lengths = torch.randint(1, longest + 1, (rows,), generator=generator)
+    mask = (torch.arange(longest) < lengths[:, None]).long()
+    return torch.randint(1, 50, (rows, longest), generator=generator) * mask, mask
+
+
+def sorted_chunks_with_grad(tower: nn.Module, ids: torch.Tensor, mask: torch.Tensor, tokens: int) -> torch.Tensor:
+    """What chunk_tokens says it does, forwarded with grad: rows longest first, chunks of rows x longest <= tokens,
+    each cut to its longest row, in the batch's order again."""
+    lengths = mask.sum(1)
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    outputs: list[torch.Tensor | None] = [None] * len(order)
+    start = 0
+    while start < len(order):
+        width = int(lengths[order[start]])
+        rows = order[start : start + max(1, tokens // width)]
+        for row, output in zip(rows, tower(ids[rows, :width], mask[rows, :width]), strict=True):
+            outputs[row] = output
+        start += len(rows)
+    return torch.stack(outputs)  # type: ignore[arg-type]
+
+
+def test_chunks_by_a_token_budget_give_the_big_batchs_gradient_to_the_parameters_and_the_inputs_in_float64():
+    """Rows sorted by length, cut to each chunk's longest: the outputs and the input gradient come back in the
+    batch's order, exactly (the gradient of the cut padding is the big batch's: zero)."""
+    ids, mask = padded_tokens()
+    weights = torch.randn(BATCH, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    found = []
+    for run in (
+        lambda t, e: t(inputs_embeds=e, attention_mask=mask),
+        lambda t, e: cached(t, inputs_embeds=e, attention_mask=mask, chunk_tokens=60),
+    ):
+        tower = TokenTower().double()
+        embeds = tower.embed(ids).detach().requires_grad_()
+        (run(tower, embeds) * weights).sum().backward()
+        found.append(
+            {"inputs_embeds": embeds.grad, **{n: p.grad for n, p in tower.named_parameters() if p.grad is not None}}
+        )
+    assert found[0].keys() == found[1].keys()
+    assert deviation(found[1], found[0]) <= 1e-12
+
+
+@pytest.mark.parametrize("rows", ["chunk_size", "lent"])
+def test_chunks_by_a_token_budget_hold_at_most_the_budget_and_the_chunk_sizes_rows(rows):
+    ids, mask = padded_tokens()
+    tower, shapes = TokenTower(), []
+    tower.embed.register_forward_pre_hook(lambda _, args: shapes.append(tuple(args[0].shape)))
+    remove = add_listener(lambda *_: 3 if rows == "lent" else None)  # as the callback lends micro_batch_size
+    try:
+        cached(tower, ids, attention_mask=mask, chunk_tokens=60, chunk_size=3 if rows == "chunk_size" else None)
+    finally:
+        remove()
+    assert sum(rows for rows, _ in shapes) == BATCH
+    assert all(rows <= 3 and (rows * width <= 60 or rows == 1) for rows, width in shapes)
+    assert [width for _, width in shapes] == sorted((width for _, width in shapes), reverse=True)
+    assert shapes[-1][1] < mask.shape[1]  # the short rows' chunks are cut short
+
+
+def test_with_dropout_the_replay_of_chunks_by_a_token_budget_draws_the_first_passs_masks():
+    ids, mask = padded_tokens()
+    weights = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(4))
+    found = []
+    for run in (
+        lambda t: sorted_chunks_with_grad(t, ids, mask, 60),
+        lambda t: cached(t, ids, attention_mask=mask, chunk_tokens=60),
+    ):
+        tower = TokenTower(dropout=0.2)
+        torch.manual_seed(5)
+        (run(tower) * weights).sum().backward()
+        found.append({name: param.grad for name, param in tower.named_parameters()})
+    assert deviation(found[1], found[0]) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("arguments", "found"),
+    [
+        ({"input_ids": torch.zeros(4, 3, dtype=torch.long)}, "found 0"),
+        ({"batch": {"attention_mask": torch.ones(4, 3)}, "attention_mask": torch.ones(4, 3)}, r"found 2 with shapes"),
+        ({"attention_mask": torch.ones(4)}, r"found 1 with shapes \[\(4,\)\]"),
+    ],
+)
+def test_a_token_budget_without_one_2d_attention_mask_is_refused(arguments, found):
+    with pytest.raises(
+        ValueError, match=rf"`chunk_tokens` counts each row's tokens by one 2-D `attention_mask`.*{found}"
+    ):
+        cached(TokenTower(), chunk_tokens=8, **arguments)
+
+
+def test_a_parameter_that_fsdp_flattened_is_refused_before_any_forward():
+    tower = Tower()
+    _set_fsdp_flattened(tower.net[0].weight)  # what FSDP marks the original parameters it views in its flat one with
+    calls = []
+    tower.register_forward_pre_hook(lambda *_: calls.append(1))
+    with pytest.raises(ValueError, match=r"its parameter `net.0.weight` is part of an FSDP flat parameter"):
+        cached(tower, torch.zeros(4, IN_FEATURES))
+    assert calls == []
 
 
 def saved_bytes(forward: Callable[[], Any]) -> int:
@@ -403,25 +550,52 @@ def test_without_a_process_group_the_tensor_itself_is_returned():
 HALF = BATCH // 2
 
 
+def clip_loss(images: torch.Tensor, texts: torch.Tensor, log_scale: torch.Tensor, rank: int = 0) -> torch.Tensor:
+    """OpenCLIP's ClipLoss as its users set it for large runs (``local_loss=True, gather_with_grad=True``): this
+    rank's rows against every rank's, the two directions averaged; with no process group, the whole batch's."""
+    all_images, all_texts = all_gather_with_grad(images), all_gather_with_grad(texts)
+    logits_per_image = log_scale.exp() * images @ all_texts.T
+    logits_per_text = log_scale.exp() * texts @ all_images.T
+    labels = torch.arange(len(images)) + len(images) * rank
+    return (
+        nn.functional.cross_entropy(logits_per_image, labels) + nn.functional.cross_entropy(logits_per_text, labels)
+    ) / 2
+
+
+def _ddp_average(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What DDP does to the gradients: their mean over the ranks."""
+    for param in model.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
+    return {name: param.grad for name, param in model.named_parameters()}
+
+
 def _rank(rank: int, port: int, folder: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        model, (q, d) = DualEncoder(), make_batch()
-        rows = slice(rank * HALF, (rank + 1) * HALF)
+        (q, d), rows = make_batch(), slice(rank * HALF, (rank + 1) * HALF)
+        record: dict[str, Any] = {}
+        model = DualEncoder()
         queries = all_gather_with_grad(cached(model.query, q[rows], chunk_size=5))
         documents = all_gather_with_grad(model.document(d[rows]))
         info_nce(queries, documents, model.log_temperature).backward()
-        for param in model.parameters():  # what DDP does
-            dist.all_reduce(param.grad)
-            param.grad /= 2
-        try:
-            all_gather_with_grad(torch.zeros(3 + rank, 2))
-            error = ""
-        except ValueError as raised:
-            error = str(raised)
-        grads = {name: param.grad for name, param in model.named_parameters()}
-        torch.save({"grads": grads, "error": error}, Path(folder) / f"rank{rank}.pt")
+        record["global"] = _ddp_average(model)
+        model = DualEncoder()
+        clip_loss(
+            cached(model.query, q[rows], chunk_size=5), model.document(d[rows]), model.log_temperature, rank
+        ).backward()
+        record["local"] = _ddp_average(model)
+        for name, attempt in {
+            "unequal": lambda: all_gather_with_grad(torch.zeros(3 + rank, 2)),
+            "fsdp2": lambda: cached(fully_shard(Tower()), q[rows], chunk_size=5),
+        }.items():
+            try:
+                attempt()
+                record[name] = ""
+            except ValueError as raised:
+                record[name] = str(raised)
+        torch.save(record, Path(folder) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -450,10 +624,28 @@ def test_two_ranks_gathering_with_grad_take_the_big_batchs_step(two_ranks):
     expected, _ = step(DualEncoder(), big_batch(*make_batch()))
     for rank in (0, 1):
         record = torch.load(two_ranks / f"rank{rank}.pt")
-        assert deviation(record["grads"], expected) <= 1e-5
+        assert deviation(record["global"], expected) <= 1e-5
+
+
+def test_a_rank_local_loss_against_the_gathered_batch_takes_the_big_batchs_step(two_ranks):
+    """OpenCLIP's local loss: the ranks' losses differ, so the gather's backward must sum every rank's gradient of
+    this rank's rows (a world-size factor on this rank's own is right for a global loss only); the temperature too."""
+    q, d = make_batch()
+    model = DualEncoder()
+    expected, _ = step(model, lambda m: clip_loss(m.query(q), m.document(d), m.log_temperature))
+    for rank in (0, 1):
+        found = torch.load(two_ranks / f"rank{rank}.pt")["local"]
+        assert deviation(found, expected) <= 1e-5
 
 
 def test_ranks_with_unequal_rows_are_refused_on_every_rank(two_ranks):
     for rank in (0, 1):
-        error = torch.load(two_ranks / f"rank{rank}.pt")["error"]
+        error = torch.load(two_ranks / f"rank{rank}.pt")["unequal"]
         assert error == "all_gather_with_grad() needs the same number of rows on every rank, got rank 0: 3, rank 1: 4"
+
+
+def test_fsdp2_shards_are_refused_naming_the_parameter(two_ranks):
+    for rank in (0, 1):
+        error = torch.load(two_ranks / f"rank{rank}.pt")["fsdp2"]
+        assert "cached() cannot run `FSDPTower`: its parameter `net.0.weight` is a DTensor (FSDP2" in error
+        assert "DDP (DDPAccumulationStrategy) or DeepSpeed ZeRO stage 1 or 2" in error

@@ -1,4 +1,4 @@
-"""benchmarks/coupled.py at its ``--quick`` sizes: its table has every row, and its saved bytes scale as GradCache's do.
+"""benchmarks/coupled.py at its ``--quick`` sizes: its tables have every row, its saved bytes scale as GradCache's do.
 
 Run in this process (the benchmark's ``main``), so that it costs seconds, not an interpreter's start.
 """
@@ -35,8 +35,9 @@ def test_the_table_has_a_big_batch_row_and_a_row_per_smaller_chunk_for_every_bat
     result, table = quick_run
     rows = {(row["batch"], row["chunk"]) for row in result["rows"]}
     assert rows == {(16, None), (16, 4), (16, 8), (32, None), (32, 4), (32, 8)}
-    assert table.count("| big batch |") == 2
-    assert table.count("| cached |") == 4
+    against_big_batch = table.split("| model |")[0]  # the micro-batch table follows
+    assert against_big_batch.count("| big batch |") == 2
+    assert against_big_batch.count("| cached |") == 4
     assert "CUDA peak memory: skipped: no CUDA." in table or "CUDA peak (MiB)" in table
 
 
@@ -55,3 +56,20 @@ def test_cached_holds_one_chunk_of_activations_and_the_big_batch_holds_the_batch
 def test_cached_matches_the_big_batch_after_one_sgd_step(quick_run):
     result, _ = quick_run
     assert all(row["max_abs_weight_difference"] < 1e-5 for row in result["rows"])
+
+
+def test_the_micro_batch_table_times_every_run_of_both_towers_and_cached_is_exact(quick_run):
+    result, table = quick_run
+    runs = {(row["model"], row["run"], row["chunk"]) for row in result["versus_micro_batches"]}
+    for chunk in (4, 8):
+        towers = ("tiny BERT", "example encoder")
+        assert {(model, run, chunk) for model in towers for run in ("plain", "cached")} <= runs
+        assert ("tiny BERT", "tokens", chunk) in runs
+        assert ("example encoder", "tokens", chunk) not in runs  # its encoder takes no attention mask
+    assert {("tiny BERT", "big", None), ("example encoder", "big", None)} <= runs
+    for row in result["versus_micro_batches"]:
+        exact = row["max_abs_weight_difference"]
+        assert (exact is not None) == (row["run"] in ("cached", "tokens"))
+        assert exact is None or exact < 1e-5
+    assert table.count("| plain micro-batches |") == 4
+    assert table.count("| cached + chunk_tokens |") == 2
