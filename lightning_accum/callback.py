@@ -40,7 +40,7 @@ from lightning_accum.features import (
     WideAccumulation,
 )
 from lightning_accum.monitor import split_summary
-from lightning_accum.precision import check_grad_accum_dtype, scale_in_place
+from lightning_accum.precision import accumulation_dtype, scale_in_place
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy, updating_optimizer
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
@@ -135,7 +135,7 @@ class AccumulationScheduler(Callback):
         registry: list[tuple[Feature, bool]] = [
             (TokenCount(token_key, ignore_index, count_items, normalize_by), unit == "token"),
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
-            (WideAccumulation(*_accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
+            (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (NoiseScale(noise_scale_decay, noise_scale_interval, adaptive), check_bool("noise_scale", noise_scale)),
             (AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink), adaptive),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
@@ -416,13 +416,6 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
         if isinstance(callback, AccumulationScheduler):
             return callback.estimated_stepping_batches(trainer)
     return trainer.estimated_stepping_batches
-
-
-def _accumulation_dtype(value: object) -> tuple[torch.dtype, bool]:
-    """``(dtype, strict)`` for ``grad_accum_dtype``: ``"auto"`` is float32, not strict (``None`` is left out)."""
-    if isinstance(value, str) and value.lower() == "auto":  # names are read as check_grad_accum_dtype reads them
-        return torch.float32, False
-    return check_grad_accum_dtype(value) or torch.float32, True
 
 
 def _drop_unreduced_gradients(trainer: pl.Trainer) -> None:

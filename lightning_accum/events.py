@@ -116,6 +116,11 @@ class Run:
     """
 
     @property
+    def owner(self) -> str:
+        """What the user set up, named in messages: ``"AccumulationScheduler"``, or ``"Accumulator"`` (Fabric)."""
+        return "AccumulationScheduler"
+
+    @property
     def epoch(self) -> int:
         """The current epoch (``trainer.current_epoch``)."""
         return 0

@@ -55,7 +55,7 @@ def count_samples(batch: Any) -> int:
     if rows is None:
         raise ValueError(
             f"normalize_by='sample' could not find a tensor with a batch dimension in a batch of type"
-            f" {type(batch).__name__}: pass `count_items` to AccumulationScheduler"
+            f" {type(batch).__name__}: pass `count_items`"
         )
     return rows
 
@@ -193,7 +193,9 @@ def token_counter(
     return counter, f"tokens counted as {head[0]} weighs them ({labels} != {ignore_index})"
 
 
-def label_warning(module: Any, batch: Any, token_key: str | int, ignore_index: int, purpose: str) -> str | None:
+def label_warning(
+    module: Any, batch: Any, token_key: str | int, ignore_index: int, purpose: str, owner: str = "AccumulationScheduler"
+) -> str | None:
     """What a run's first batch says the token count may miss, as a warning (``None``: nothing).
 
     - labels that equal ``input_ids`` wherever they bear loss, with no Hugging Face causal LM in ``module`` to say
@@ -203,14 +205,15 @@ def label_warning(module: Any, batch: Any, token_key: str | int, ignore_index: i
       (the count follows the head: one token per sequence too few if ``training_step`` computes the loss on them
       itself, without the second shift).
 
-    ``purpose``: ``"token"`` or ``"schedule"``, as in :func:`count_tokens`.
+    ``purpose``: ``"token"`` or ``"schedule"``, as in :func:`count_tokens`; ``owner``: what the user set up, for the
+    message.
     """
     head = token_head(module)
     argument = "unit='token'" if purpose == "schedule" else "normalize_by='token'"
     with_weighting = " (with normalize_by='token')" if purpose == "schedule" else ""
     if head is None and labels_repeat_inputs(batch, token_key, ignore_index):
         return (
-            f"AccumulationScheduler({argument}): the labels equal `input_ids` wherever they bear loss, as for a causal"
+            f"{owner}({argument}): the labels equal `input_ids` wherever they bear loss, as for a causal"
             " LM that shifts them inside, but no Hugging Face causal LM was found in the module: if the model"
             " predicts token t + 1 at t, each sequence's first label bears no loss and the count is off by one per"
             f" sequence. Pass count_items=lambda batch: (batch[{token_key!r}][..., 1:] != {ignore_index}).sum()"
@@ -218,7 +221,7 @@ def label_warning(module: Any, batch: Any, token_key: str | int, ignore_index: i
         )
     if head is not None and head[1] and labels_shifted_already(batch, token_key, ignore_index):
         return (
-            f"AccumulationScheduler({argument}): the labels are `input_ids` shifted by one already (labels[t] =="
+            f"{owner}({argument}): the labels are `input_ids` shifted by one already (labels[t] =="
             f" input_ids[t + 1] wherever they bear loss), and {head[0]} shifts its labels again inside: tokens are"
             f" counted as that model weighs them ({token_key}[..., 1:] != {ignore_index}). If training_step computes"
             " the loss on these labels itself, without a second shift, each sequence's first label bears loss too and"

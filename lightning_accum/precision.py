@@ -60,6 +60,19 @@ def check_grad_accum_dtype(value: object) -> torch.dtype | None:
     return value
 
 
+def accumulation_dtype(value: object) -> tuple[torch.dtype, bool]:
+    """``(dtype, strict)`` for ``grad_accum_dtype``: ``"auto"`` is float32, not strict (``None`` is left out).
+
+    Example::
+
+        >>> accumulation_dtype("auto"), accumulation_dtype("float64")
+        ((torch.float32, False), (torch.float64, True))
+    """
+    if isinstance(value, str) and value.lower() == "auto":  # names are read as check_grad_accum_dtype reads them
+        return torch.float32, False
+    return check_grad_accum_dtype(value) or torch.float32, True
+
+
 def narrower(dtype: torch.dtype, than: torch.dtype) -> bool:
     """Whether floating-point ``dtype`` holds fewer mantissa bits than ``than`` (``bfloat16`` < ``float32``)."""
     return dtype.is_floating_point and torch.finfo(dtype).eps > torch.finfo(than).eps

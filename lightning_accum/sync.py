@@ -5,12 +5,12 @@ and backward. Under the ``"last"`` policy gradients are reduced once per optimiz
 
 - DDP and FSDP1 (``FullyShardedDataParallel``): the module's own ``no_sync()``. FSDP1 then keeps *unsharded*
   gradients on every rank until the window's last backward.
-- FSDP2 (``fully_shard``): ``set_requires_gradient_sync(False)`` on every FSDP module, restored in ``finally``
-  together with ``set_is_last_backward(True)``, so the window's last backward reduces and finalizes. Each rank
-  accumulates the unsharded gradients of the sharded units in between. ``set_is_last_backward(False)`` is *not* set
-  on the non-final micro-steps: in torch 2.13 it leaves FSDP2's backward-prefetch order uncleared and costs one
-  mistargeted all-gather per window (measured: 70 all-gathers instead of 64 for 16 micro-steps of a 2-unit model),
-  and with no reduction pending it has nothing to save.
+- FSDP2 (``fully_shard``): ``set_requires_gradient_sync(False)`` on every FSDP module, each module's previous
+  state restored in ``finally`` together with ``set_is_last_backward(True)``, so the window's last backward reduces
+  and finalizes. Each rank accumulates the unsharded gradients of the sharded units in between.
+  ``set_is_last_backward(False)`` is *not* set on the non-final micro-steps: in torch 2.13 it leaves FSDP2's
+  backward-prefetch order uncleared and costs one mistargeted all-gather per window (measured: 70 all-gathers instead
+  of 64 for 16 micro-steps of a 2-unit model), and with no reduction pending it has nothing to save.
 
 Under the ``"every"`` policy every micro-step reduces as usual, so each FSDP rank keeps only its shard of the
 gradients (sharded memory, one reduction per micro-step). ``"reduce_scatter"`` is ``"every"`` with, on an HSDP mesh
@@ -134,6 +134,7 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
         return
     fsdp2 = fsdp2_modules(module)
     if fsdp2:
+        previous = [fsdp2_sync_state(sub) for sub in fsdp2]
         try:
             for sub in fsdp2:
                 if policy == "last":
@@ -142,8 +143,10 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
                     sub.set_requires_all_reduce(False, recurse=False)  # type: ignore[operator]
             yield
         finally:
-            for sub in fsdp2:
-                sub.set_requires_gradient_sync(True, recurse=False)  # type: ignore[operator]
+            for sub, (reduce, all_reduce) in zip(fsdp2, previous, strict=True):
+                sub.set_requires_gradient_sync(reduce, recurse=False)  # type: ignore[operator]
+                if all_reduce != reduce:
+                    sub.set_requires_all_reduce(all_reduce, recurse=False)  # type: ignore[operator]
                 sub.set_is_last_backward(True)  # type: ignore[operator]
         return
     if policy == "last" and module is not None and has_no_sync(module):
@@ -151,6 +154,19 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
             yield
         return
     yield
+
+
+def fsdp2_sync_state(unit: nn.Module) -> tuple[bool, bool]:
+    """``(reduce-scatters, all-reduces across replicas)``: what an FSDP2 unit's next backward does with its gradients.
+
+    ``set_requires_gradient_sync`` and ``set_requires_all_reduce`` write these flags and no public getter reads them,
+    so they are read from the unit's parameter groups (torch-private ``reduce_grads`` and ``all_reduce_grads``,
+    ``tests/test_fabric_sync.py`` pins them); a unit without parameters reduces as by default.
+    """
+    groups = param_groups_of(unit._get_fsdp_state())  # type: ignore[operator]
+    if not groups:
+        return True, True
+    return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
 
 
 def _fsdp2_param_groups(module: nn.Module | None) -> list[Any]:

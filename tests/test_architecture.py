@@ -46,6 +46,7 @@ PURE = [
     "split",
     "sample_driven_lr",
     "coupled",
+    "zero",
 ]
 
 
@@ -222,3 +223,106 @@ def test_every_test_the_compatibility_page_names_exists():
     }
     assert names
     assert names <= defined, names - defined
+
+
+# ------------------------------------------------------------------ the Fabric shell (lightning_accum/fabric/)
+
+FABRIC = {name for name in MODULES if name.startswith("lightning_accum.fabric")}
+# the Trainer's shell: what only the callback, its glue and the Trainer's strategies may import
+TRAINER_SHELL = (
+    "lightning.pytorch",
+    "pytorch_lightning",
+    "lightning_accum.callback",
+    "lightning_accum._run",
+    "lightning_accum._checks",
+    "lightning_accum._ranks",
+    "lightning_accum._resume",
+    "lightning_accum._position",
+    "lightning_accum._loop",
+    "lightning_accum._microbatch",
+    "lightning_accum.manual",
+    "lightning_accum.strategies",
+    "lightning_accum.cli",
+)
+
+
+def test_the_fabric_shell_stands_beside_the_callback_on_the_core_and_never_reaches_the_trainer():
+    """Both shells point down at the same rooms: the Fabric package imports the pure modules, the events and the
+    features, and nothing of the Trainer's shell (nor does anything in the package import the Fabric shell)."""
+    assert {"lightning_accum.fabric", "lightning_accum.fabric.accumulator"} <= FABRIC
+    shared = {f"lightning_accum.{pure}" for pure in PURE} | {"lightning_accum.events", "lightning_accum.features"}
+    for name in FABRIC:
+        for module in imports(MODULES[name]):
+            assert not module.startswith(TRAINER_SHELL), f"{name} imports {module}"
+            if module.startswith("lightning_accum.") and module not in MODULES:
+                module = module.rsplit(".", 1)[0]  # `from lightning_accum.x import name`
+            if module.startswith("lightning_accum.") and not module.startswith("lightning_accum.fabric"):
+                assert module in shared, f"{name} imports {module}, which is neither pure nor the features"
+    for name in set(MODULES) - FABRIC:
+        assert not any(module.startswith("lightning_accum.fabric") for module in imports(MODULES[name])), name
+
+
+def test_the_fabric_shell_reads_in_a_few_screens():
+    accumulator = MODULES["lightning_accum.fabric.accumulator"]
+    (shell,) = [node for node in ast.parse(accumulator.read_text()).body if getattr(node, "name", "") == "Accumulator"]
+    assert shell.end_lineno - shell.lineno + 1 <= 500
+    assert len(accumulator.read_text().splitlines()) <= 580
+
+
+def _dispatched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    from lightning_accum.events import Features
+
+    seen: list[str] = []
+    dispatch = Features.dispatch
+
+    def recording(self: Features, event: Event, ctx: object) -> None:
+        seen.append(event.name)
+        dispatch(self, event, ctx)
+
+    monkeypatch.setattr(Features, "dispatch", recording)
+    return seen
+
+
+def test_the_fabric_shell_dispatches_the_callbacks_events_in_the_callbacks_order(monkeypatch):
+    """One epoch of 10 micro-batches at factor 4 (windows 4, 4 and the 2 left), token-weighted, through the Trainer
+    and through Fabric: the same window events in the same order, SETUP apart (no Trainer to check)."""
+    import lightning.pytorch as pl
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from lightning_accum.fabric import Accumulator
+    from tests.helpers import DictDataset, make_tokens, token_loss, trainer
+
+    tokens = make_tokens(40)
+
+    class TokenModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(5, 1)
+
+        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+            return token_loss(self.net, batch["features"], batch["labels"])
+
+        def configure_optimizers(self):  # noqa: ANN201
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    seen = _dispatched(monkeypatch)
+    loader = torch.utils.data.DataLoader(DictDataset(tokens), batch_size=4)
+    callback = AccumulationScheduler({0: 4}, normalize_by="token", log_metrics=False)
+    trainer([callback], max_epochs=1).fit(TokenModule(), loader)
+    through_trainer = [event for event in seen if event != "SETUP"]
+
+    seen.clear()
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net = nn.Linear(5, 1)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4}, normalize_by="token", log_metrics=False)
+    for batch in accumulator.batches(loader):
+        with accumulator.micro_step(batch) as micro:
+            micro.backward(token_loss(model, batch["features"], batch["labels"]))
+        if micro.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+    accumulator.close()
+    assert seen == through_trainer
+    assert seen.count("WINDOW_CLOSED") == 3

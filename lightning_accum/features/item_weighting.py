@@ -131,7 +131,7 @@ class ItemWeighting(Feature):
         assert self._count is not None, "the callback leaves normalize_by='micro_batch' out"
         if self._check_labels and self._rule is not None:  # the fit's first micro-batch
             self._check_labels = False
-            warning = label_warning(ctx.module, ctx.batch, *self._rule, purpose="token")
+            warning = label_warning(ctx.module, ctx.batch, *self._rule, purpose="token", owner=ctx.run.owner)
             if warning is not None:
                 rank_zero_warn(warning)
         items = check_count(self._count(ctx.batch), ctx.batch_idx)

@@ -98,7 +98,7 @@ class LRScaling(Feature):
             self.base_batch_size = self._resolve_base(ctx)
         elif self._configured_base is not None and self.base_batch_size != self._configured_base:
             rank_zero_warn(
-                f"AccumulationScheduler: `base_batch_size={self._configured_base}` differs from the base this run"
+                f"{ctx.run.owner}: `base_batch_size={self._configured_base}` differs from the base this run"
                 f" started with ({self.base_batch_size:g}, from the checkpoint); the run keeps {self.base_batch_size:g}"
                 " so that its learning rate continues where it was"
             )
@@ -117,7 +117,7 @@ class LRScaling(Feature):
         if ctx.micro_batch_size is None:
             raise ValueError(
                 f"`base_batch_size={self._configured_base}` is in samples, but the micro-batch size could not be read"
-                " from the train dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+                f" from the train dataloader's `batch_size`: pass `micro_batch_size` to {ctx.run.owner}"
             )
         return float(self._configured_base)
 
@@ -152,7 +152,7 @@ class LRScaling(Feature):
             else:
                 told = "set lr_scale_max to cap it (a scaled LR that diverges is the usual way a growing batch fails)"
             rank_zero_warn(
-                f"AccumulationScheduler: lr_scaling={self.rule!r} scales the learning rate by {scale:.4g} at the"
+                f"{ctx.run.owner}: lr_scaling={self.rule!r} scales the learning rate by {scale:.4g} at the"
                 f" effective batch {batch:g} (base {self.base_batch_size:g}), past {bound:g}: {told}"
             )
         return min(scale, self.max_scale) if self.max_scale is not None else scale

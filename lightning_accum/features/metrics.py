@@ -70,7 +70,7 @@ class Metrics(Feature):
         for logger in ctx.run.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
-        ctx.run.print(f"AccumulationScheduler: {text}")
+        ctx.run.print(f"{ctx.run.owner}: {text}")
 
     @override
     def micro_batch_ended(self, ctx: Context) -> None:

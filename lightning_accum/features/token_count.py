@@ -97,7 +97,7 @@ class TokenCount(Feature):
     def micro_batch_started(self, ctx: Context) -> None:
         if self._check_labels and self._rule is not None:  # the fit's first micro-batch
             self._check_labels = False
-            warning = label_warning(ctx.module, ctx.batch, *self._rule, purpose="schedule")
+            warning = label_warning(ctx.module, ctx.batch, *self._rule, purpose="schedule", owner=ctx.run.owner)
             if warning is not None:
                 rank_zero_warn(warning)
         self._window = self._window + check_count(self._count(ctx.batch), ctx.batch_idx, self._source)

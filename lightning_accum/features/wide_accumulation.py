@@ -93,7 +93,7 @@ class WideAccumulation(Feature):
         except ValueError as error:
             if self.strict:
                 raise
-            rank_zero_warn(f"AccumulationScheduler: gradients are accumulated in {narrow[0].dtype}: {error}")
+            rank_zero_warn(f"{ctx.run.owner}: gradients are accumulated in {narrow[0].dtype}: {error}")
             return
         self._accumulator = self._build(ctx)
         ctx.weights_in_float32 = True  # the losses are backpropagated unscaled: weighed here, in the wide dtype

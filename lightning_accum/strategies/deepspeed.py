@@ -20,10 +20,8 @@ On CPU (for testing, with gloo) the three checks Lightning's ``DeepSpeedStrategy
 
 from __future__ import annotations
 
-import argparse
-import copy
 from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -31,7 +29,16 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from torch.optim import Optimizer
 
-_OWNED = ("gradient_accumulation_steps", "train_batch_size")
+from lightning_accum.zero import (
+    FoldedScale,
+    config_stage,
+    drop_window,
+    initialize_on_rank,
+    unmanaged_config,
+    updating_optimizer,
+)
+
+__all__ = ["DeepSpeedAccumulationStrategy", "updating_optimizer", "zero_stage"]
 
 
 class _DeepSpeedOnCPU(DeepSpeedStrategy):
@@ -70,25 +77,9 @@ class _DeepSpeedOnCPU(DeepSpeedStrategy):
         with self._device_rank():
             super()._initialize_deepspeed_inference(model)
 
-    @contextmanager
-    def _device_rank(self) -> Generator[None, None, None]:
+    def _device_rank(self) -> AbstractContextManager:
         """On CPU, give ``deepspeed.initialize`` the local rank where Lightning passes ``root_device.index`` (None)."""
-        import deepspeed
-
-        initialize = deepspeed.initialize
-        if self.root_device.index is not None:
-            yield
-            return
-
-        def on_local_rank(*args: Any, **kwargs: Any) -> Any:
-            kwargs["args"] = argparse.Namespace(device_rank=self.local_rank)
-            return initialize(*args, **kwargs)
-
-        deepspeed.initialize = on_local_rank
-        try:
-            yield
-        finally:
-            deepspeed.initialize = initialize
+        return initialize_on_rank(self.local_rank if self.root_device.index is None else None)
 
 
 class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
@@ -120,26 +111,13 @@ class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        config: dict[str, Any] = copy.deepcopy(self.config or {})  # Lightning keeps the user's dict, and changes it
-        self.config = config
-        for key in (*_OWNED, "managed_gradient_accumulation"):
-            if key in config and not (key == "managed_gradient_accumulation" and config[key] is False):
-                raise ValueError(
-                    f"The DeepSpeed config sets {key!r} ({config[key]!r}), but with DeepSpeedAccumulationStrategy"
-                    " the AccumulationScheduler owns accumulation: remove it, and give the factor as"
-                    " AccumulationScheduler(scheduling=...) or the global batch as target_batch_size=..."
-                )
-        zero = config.get("zero_optimization") or {}
-        if zero.get("stage", 0) < 2 and zero.get("overlap_comm"):
-            if "config" in kwargs or kwargs.get("overlap_comm"):  # the user asked for it
-                raise ValueError(
-                    f"overlap_comm=True under ZeRO stage {zero.get('stage', 0)}: DeepSpeed's unmanaged accumulation"
-                    " reduces this stage's gradients in step(), after the last backward, so there is nothing to"
-                    " overlap: set overlap_comm to false (or use stage 2 or 3)"
-                )
-            zero["overlap_comm"] = False  # Lightning's default, which DeepSpeed refuses here
-        config["managed_gradient_accumulation"] = False
-        self._scaled: tuple[Any, float] | None = None  # (optimizer, scale) for the step in progress
+        self.config = unmanaged_config(  # Lightning keeps the user's dict, and changes it: a copy
+            self.config,
+            overlap_asked="config" in kwargs or bool(kwargs.get("overlap_comm")),
+            owner="with DeepSpeedAccumulationStrategy the AccumulationScheduler",
+            arguments="AccumulationScheduler",
+        )
+        self._scale = FoldedScale()  # the window's scale, for the step in progress
 
     @property
     def handles_gradient_accumulation(self) -> bool:
@@ -178,32 +156,13 @@ class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
         Raises:
             ValueError: If the optimizer's loss scale is one DeepSpeed does not let the caller set.
         """
-        if scale == 1.0:
-            return
-        if not hasattr(optimizer, "loss_scale") or getattr(optimizer, "custom_loss_scaler", False):
-            if isinstance(optimizer, Optimizer):  # ZeRO stage 0: plain torch optimizer on the model's parameters
-                assert self.lightning_module is not None, "set up before the first step"
-                with torch.no_grad():
-                    for param in self.lightning_module.parameters():
-                        if param.grad is not None:
-                            param.grad.mul_(scale)
-                return
-            raise ValueError(
-                f"{type(optimizer).__name__} has no loss scale DeepSpeedAccumulationStrategy can set, so the window's"
-                " gradient cannot be corrected: use normalize_by='micro_batch' and an epoch of known length"
-            )
-        optimizer.loss_scale = optimizer.loss_scale / scale
-        self._scaled = (optimizer, scale)
+        assert self.lightning_module is not None, "set up before the first step"
+        self._scale.fold(optimizer, scale, self.lightning_module.parameters())
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """DeepSpeed's step, with the optimizer's loss scale given back after it."""
-        try:
+        with self._scale.step():
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            if self._scaled is not None:
-                scaled, scale = self._scaled
-                scaled.loss_scale = scaled.loss_scale * scale
-                self._scaled = None
 
     def drop_unreduced_gradients(self) -> None:
         """Forget the gradient of a window abandoned before its end (an epoch cut short, a fit that raised).
@@ -211,29 +170,10 @@ class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
         Under ZeRO stage 2 DeepSpeed keeps each backward's reduced gradient in its partitions until ``step()``, and
         ``zero_grad`` does not reach them: they are dropped as DeepSpeed drops them itself after an overflow.
         """
-        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID, DeepSpeedZeroOptimizer
-
-        optimizer = self.optimizers[0] if self.optimizers else None
-        if not isinstance(optimizer, DeepSpeedZeroOptimizer):  # stage 3 and no ZeRO: zero_grad clears them
-            return
-        optimizer.zero_grad(set_to_none=True)
-        optimizer._release_preflattened_grad_buffers()
-        if optimizer.cpu_offload:
-            optimizer.reset_cpu_buffers()
-        for group in optimizer.averaged_gradients:
-            optimizer.averaged_gradients[group] = None
-            optimizer.all_grad_tensors[group] = None
-        optimizer.micro_step_id = INITIAL_MICRO_STEP_ID
+        if self.optimizers:
+            drop_window(self.optimizers[0])
 
 
 def zero_stage(strategy: DeepSpeedStrategy) -> int:
     """The ZeRO stage of a DeepSpeed strategy's config (0 without ``zero_optimization``)."""
-    return int(((strategy.config or {}).get("zero_optimization") or {}).get("stage", 0))
-
-
-def updating_optimizer(optimizer: Any) -> Any:
-    """The ``torch.optim.Optimizer`` that updates the weights: DeepSpeed's ZeRO wrappers hold it as ``.optimizer``."""
-    inner = getattr(optimizer, "optimizer", None)
-    if not isinstance(optimizer, Optimizer) and isinstance(inner, Optimizer):
-        return inner
-    return optimizer
+    return config_stage(strategy.config)

@@ -1,0 +1,558 @@
+r"""Accumulator: exact, scheduled gradient accumulation for a Lightning Fabric loop, in a few lines.
+
+The Fabric shell over the core :class:`~lightning_accum.AccumulationScheduler` uses. It owns only what a Fabric loop
+needs: the windows over the user's iterable (:meth:`Accumulator.batches`: each window fetched at its start), one
+micro-step's gradient sync under Fabric's strategy and its backward through ``fabric.backward``
+(:meth:`Accumulator.micro_step`), the checks a hand-written loop needs, and the state ``fabric.save`` carries. The
+schedule and its target-batch arithmetic (:mod:`lightning_accum.schedule`), the window
+(:mod:`lightning_accum.window`), the sync policies (:mod:`lightning_accum.sync`) and every feature the loop runs
+(token count, item weighting, wide accumulation, LR scaling, metrics: :mod:`lightning_accum.features`) are the
+callback's own, driven through the same window events; the features see Fabric through
+:class:`~lightning_accum.fabric._run.FabricRun`.
+
+A window's micro-batches are all fetched when it opens, never one of the next window: its size is known before its
+first backward (a short last window is divided by what it holds), and a loader whose state is saved between windows
+resumes where the run would have gone on.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DeepSpeedStrategy
+
+from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window
+from lightning_accum.fabric._run import FabricRun
+from lightning_accum.fabric._setup import data_parallel, loader_batch_size, set_up_model, set_up_optimizer
+from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationStrategy
+from lightning_accum.features import ItemWeighting, LRScaling, Metrics, TokenCount, WideAccumulation
+from lightning_accum.items import count_tokens
+from lightning_accum.precision import accumulation_dtype, scale_in_place
+from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
+from lightning_accum.sync import check_gradient_sync, drop_fsdp2_pending_gradients, skip_gradient_sync
+from lightning_accum.window import Window
+from lightning_accum.zero import drop_window
+
+
+class MicroStep:
+    """One micro-batch of a window: its place, and the backward that gives it its exact share of the window's loss.
+
+    Attributes:
+        index: The micro-batch's position in its window, from 0.
+        size: Micro-batches the window holds (its last, short window: what was left of the epoch).
+    """
+
+    def __init__(self, accumulator: Accumulator, index: int, size: int) -> None:
+        self._accumulator = accumulator
+        self.index, self.size = index, size
+        self.loss: torch.Tensor | None = None  # the micro-batch's mean loss, detached, once backward ran
+
+    @property
+    def should_step(self) -> bool:
+        """Whether this micro-batch ends the window: then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
+        return self.index == self.size - 1
+
+    def backward(self, loss: torch.Tensor, reduction: Literal["mean", "sum"] = "mean") -> None:
+        """Backpropagate this micro-batch's share of the window's loss (through ``fabric.backward``).
+
+        Args:
+            loss: The micro-batch's loss: the mean over its own items (``reduction="mean"``, the usual
+                ``cross_entropy``), or their sum (``"sum"``, with ``normalize_by="sample"`` or ``"token"``).
+            reduction: How ``loss`` was reduced over the micro-batch's items.
+
+        Raises:
+            RuntimeError: Outside its ``micro_step`` block, or a second time in it.
+            ValueError: If ``reduction`` is unknown, or ``"sum"`` without item counts to divide by.
+        """
+        self._accumulator._backward(self, loss, reduction)
+
+
+class Accumulator:
+    r"""Accumulate gradients in a Lightning Fabric loop exactly, with the schedules of ``AccumulationScheduler``.
+
+    Every optimizer step equals one step on the big batch's loss: the mean over the window's micro-batches, samples
+    or tokens on every data-parallel rank (``normalize_by``); the last window of an epoch holds what is left and is
+    stepped. Gradients are reduced across ranks once per window (DDP, FSDP1, FSDP2, HSDP: ``gradient_sync``), and
+    under DeepSpeed every ``optimizer.step()`` is one window's step. The arguments mean what they mean on
+    :class:`~lightning_accum.AccumulationScheduler`.
+
+    Args:
+        fabric: The Fabric the loop runs under (launched).
+        model: The model ``fabric.setup`` returned.
+        optimizer: The optimizer ``fabric.setup`` returned (one).
+        scheduling: ``{position: factor}``; factor 1 before the first key (throughout with no key and no target).
+        unit: What the keys count: ``"epoch"`` (calls of :meth:`batches`), ``"step"``, ``"sample"`` or ``"token"``.
+        target_batch_size: The global batch in samples: factor = target / (micro-batch x data-parallel size).
+        ramp_start_batch_size: With the next two: ramp the global batch linearly from this size to the target.
+        ramp_increment: How much the global batch grows at each stage of the ramp.
+        ramp_samples: Samples (tokens with ``unit="token"``) of all ranks over which the ramp reaches the target.
+        micro_batch_size: Samples in a rank's micro-batch; by default the loader's ``batch_size``.
+        lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR times ``effective / base`` or its root, in steps.
+        base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
+        lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
+        lr_scale_max: The largest LR scale, warned of when first passed; ``None``: no cap, and a warning past 4.
+        normalize_by: A micro-batch weighs the same (``"micro_batch"``) or its items (``"sample"``, ``"token"``).
+        token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
+        ignore_index: The label value that bears no loss.
+        count_items: ``batch -> int or tensor``, counting a micro-batch's items instead.
+        shift_labels: Count ``labels[..., 1:]``: a causal LM's loss on ``logits[..., :-1]`` against ``labels[..., 1:]``
+            (litgpt's ``chunked_cross_entropy``) has one item fewer per sequence than its labels bear.
+        grad_accum_dtype: The dtype micro-batch gradients are summed in where the parameters are narrower;
+            ``"auto"``: float32 where the strategy supports it; ``None``: the parameters' dtype.
+        gradient_sync: ``"last"``: one gradient reduction per window; ``"every"``: every micro-step (FSDP keeps only
+            its gradient shard); ``"reduce_scatter"``: as ``"every"``, HSDP's all-reduce across replicas deferred.
+        log_metrics: Log the ``accum/...`` metrics through ``fabric.log_dict`` every ``log_every_n_steps`` steps.
+        log_every_n_steps: Optimizer steps between two logged steps.
+
+    Raises:
+        TypeError: If an argument has the wrong type, or ``model`` or ``optimizer`` was not set up by ``fabric``.
+        ValueError: If an argument has a wrong value, or a DeepSpeed engine accumulates by itself.
+
+    Example::
+
+        accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4}, normalize_by="token")
+        for epoch in range(epochs):
+            for batch in accumulator.batches(train_dataloader):
+                with accumulator.micro_step(batch) as micro:
+                    loss = loss_fn(model(batch["input_ids"]), batch["labels"])  # the micro-batch's own mean
+                    micro.backward(loss)
+                if micro.should_step:
+                    fabric.clip_gradients(model, optimizer, max_norm=1.0)  # the window's mean gradient
+                    optimizer.step()
+                    optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        fabric: Fabric,
+        model: Any,
+        optimizer: Any,
+        scheduling: dict[int, int] | None = None,
+        unit: Literal["epoch", "step", "sample", "token"] = "epoch",
+        target_batch_size: int | None = None,
+        ramp_start_batch_size: int | None = None,
+        ramp_increment: int | None = None,
+        ramp_samples: int | None = None,
+        micro_batch_size: int | None = None,
+        lr_scaling: Literal["none", "linear", "sqrt"] = "none",
+        base_batch_size: int | None = None,
+        lr_warmup_steps: int = 0,
+        lr_scale_max: float | None = None,
+        normalize_by: Literal["micro_batch", "sample", "token"] = "micro_batch",
+        token_key: str | int = "labels",
+        ignore_index: int = -100,
+        count_items: Callable[[Any], Any] | None = None,
+        shift_labels: bool = False,
+        grad_accum_dtype: str | torch.dtype | None = "auto",
+        gradient_sync: Literal["last", "every", "reduce_scatter"] = "last",
+        log_metrics: bool = True,
+        log_every_n_steps: int = 50,
+    ) -> None:
+        self._fabric = fabric
+        self._model, self._forward = set_up_model(fabric, model)
+        self._wrapped_optimizer, self._optimizer = set_up_optimizer(fabric, optimizer)
+        if check_bool("shift_labels", shift_labels):
+            if count_items is not None or "token" not in (normalize_by, unit):
+                raise ValueError(
+                    "`shift_labels=True` counts the tokens of labels[..., 1:]: use it with normalize_by='token' or"
+                    f" unit='token' and without `count_items` (got normalize_by={normalize_by!r}, unit={unit!r},"
+                    f" count_items={count_items!r})"
+                )
+            count_items = functools.partial(count_tokens, key=token_key, ignore_index=ignore_index, shift=True)
+        self._policy = check_gradient_sync(gradient_sync)
+        log_every = check_int("log_every_n_steps", log_every_n_steps, minimum=1)
+        # the callback's features, each with its switch, in its order; the Trainer-only ones (noise scale, adaptive
+        # growth, sample-driven LR schedules, the progress bar) are left out
+        registry: list[tuple[Feature, bool]] = [
+            (TokenCount(token_key, ignore_index, count_items, normalize_by), unit == "token"),
+            (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
+            (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
+            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
+            (Metrics(), check_bool("log_metrics", log_metrics)),
+        ]
+        self._features = Features(feature for feature, enabled in registry if enabled)
+        self._spec = ScheduleSpec.from_args(
+            scheduling, unit, target_batch_size, ramp_start_batch_size, ramp_increment, ramp_samples, micro_batch_size
+        )
+        self._group, data_parallel_size = data_parallel(fabric)
+        if micro_batch_size is not None:  # a target batch that cannot be reached is refused now, naming the numbers
+            self._spec.build(micro_batch_size, data_parallel_size)
+        self._schedule: Schedule | None = None  # built at the first epoch, from the micro-batch size the ranks share
+        self._epoch = 0  # epochs completed (calls of `batches` that reached their iterable's end)
+        self._in_epoch = 0  # micro-batches taken in the epoch in progress
+        self._epoch_length = math.inf  # the iterable's length in the epoch in progress
+        self._max_steps = -1
+        self._active: MicroStep | None = None  # the micro-step whose block is open
+        self._offered: Any = None  # the micro-batch `batches` yielded last, until its micro-step begins
+        self._ended: MicroStep | None = None  # the micro-step whose block exited, until its end is dispatched
+        self._ends_epoch = False  # the window in progress holds the rest of the epoch
+        self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero, can_split=False)
+        ctx = self._ctx
+        ctx.module, ctx.reduce, ctx.broadcast = self._model.module, self._reduce, lambda obj: fabric.broadcast(obj)
+        ctx.run = FabricRun(
+            fabric,
+            self._forward,
+            self._policy,
+            log_every,
+            epoch=lambda: self._epoch,
+            batches_per_epoch=lambda: self._epoch_length,
+            max_steps=lambda: self._max_steps,
+        )
+        self._hooks = [
+            self._optimizer.register_step_pre_hook(self._before_step),
+            self._optimizer.register_step_post_hook(self._after_step),
+        ]
+
+    # ------------------------------------------------------------------ what the loop reads
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Windows completed: the optimizer steps the loop has taken."""
+        return self._ctx.optimizer_steps
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples consumed by all data-parallel ranks together (micro-batch size x ranks per micro-batch)."""
+        return self._ctx.samples_seen
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress, or the next one between epochs (from 0): ``for epoch in range(accumulator.epoch, n)``.
+
+        A call of :meth:`batches` that reaches its iterable's end completes an epoch.
+        """
+        return self._epoch
+
+    @property
+    def factor(self) -> int:
+        """The size of the window in progress (the factor it was opened with, or what was left of the epoch)."""
+        return self._ctx.window.size
+
+    @property
+    def features(self) -> Features:
+        """The enabled features by name, read-only (``accumulator.features["lr_scaling"]``)."""
+        return self._features
+
+    def steps_per_epoch(self, iterable: Iterable[Any]) -> int:
+        """The optimizer steps an epoch of ``iterable`` (a sized one) takes from the run's position, short window too.
+
+        Example::
+
+            lr_max_steps = min(epochs * accumulator.steps_per_epoch(train_dataloader), max_steps)
+        """
+        schedule, batches, per_micro_step = self._plan(iterable)
+        ctx = self._ctx
+        position = (self._epoch, 0, ctx.optimizer_steps, ctx.samples_seen)
+        return run_epoch(schedule, batches, *position, -1, per_micro_step, 1, ctx.tokens_seen)[1]
+
+    def total_steps(self, iterable: Iterable[Any], epochs: int, max_steps: int = -1) -> int:
+        """The optimizer steps of a run of ``epochs`` epochs of ``iterable`` from step 0 (for sizing an LR schedule)."""
+        schedule, batches, per_micro_step = self._plan(iterable)
+        return plan_run(schedule, batches, epochs, max_steps, per_micro_step)[0]
+
+    def _plan(self, iterable: Iterable[Any]) -> tuple[Schedule, int, int]:
+        """The run's schedule, the batches of an epoch of ``iterable`` and the samples of a micro-step (all ranks)."""
+        if not hasattr(iterable, "__len__"):
+            raise TypeError(f"Counting steps needs a sized iterable (a DataLoader), got {type(iterable).__name__}")
+        size = self._ctx.micro_batch_size or self._spec.micro_batch_size or loader_batch_size(iterable)
+        schedule = self._schedule or self._spec.build(size, self._ctx.world_size)
+        return schedule, len(iterable), (size or 0) * self._ctx.world_size  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ the windows of an epoch
+
+    def batches(self, iterable: Iterable[Any], max_steps: int | None = None) -> Iterator[Any]:
+        """The micro-batches of one epoch of ``iterable``, window by window; run each through :meth:`micro_step`.
+
+        A window's micro-batches are fetched when it opens (never one of the next window); the epoch's last window
+        holds what is left of it and is stepped. One call is one epoch: windows never span calls.
+
+        Args:
+            iterable: A ``DataLoader``, a Fabric loader, or any iterable of batches (an endless one with
+                ``max_steps``).
+            max_steps: Stop after the window that completes this optimizer step (counted over the whole run).
+
+        Raises:
+            ValueError: On every rank, if the ranks' loaders differ in length (checked at the epoch's start for sized
+                ones, at each window for the others) or in batch size.
+        """
+        self._max_steps = -1 if max_steps is None else check_int("max_steps", max_steps, minimum=0)
+        self._start_epoch(iterable)
+        iterator = iter(iterable)
+        try:
+            while max_steps is None or self._ctx.optimizer_steps < max_steps:
+                window = self._fetch(iterator)
+                if not window:  # the iterable ended with a full window
+                    self._epoch, self._in_epoch = self._epoch + 1, 0
+                    break
+                for batch in window:
+                    self._offered = batch
+                    yield batch
+                    self._check_taken(batch)
+                self._finish_window()
+                if self._in_epoch == 0:  # that window ended the epoch
+                    break
+        finally:
+            self._offered = None
+            if self._active is not None or not self._ctx.window.closed:  # left inside a window (an error, a break)
+                self._discard_window()
+            self._finish_window()
+
+    def _start_epoch(self, iterable: Iterable[Any]) -> None:
+        ctx = self._ctx
+        self._check_between_windows("Accumulator.batches")
+        sized = hasattr(iterable, "__len__")
+        self._epoch_length = float(len(iterable)) if sized else math.inf  # type: ignore[arg-type]
+        size = self._spec.micro_batch_size or loader_batch_size(iterable)
+        length = len(iterable) if sized else None  # type: ignore[arg-type]
+        ctx.micro_batch_size = agree_on_loaders(self._fabric, size, length, given=self._spec.micro_batch_size)
+        if self._schedule is None:  # the run's first epoch
+            self._schedule = self._spec.build(ctx.micro_batch_size, ctx.world_size)
+            ctx.schedule, ctx.factor = self._schedule, self._scheduled_factor()
+            ctx.optimizers, ctx.summary = [self._optimizer], []
+            self._features.dispatch(Event.FIT_START, ctx)
+            self._features.settle()
+        if self._in_epoch == 0:
+            self._features.dispatch(Event.EPOCH_STARTED, ctx)
+
+    def _fetch(self, iterator: Iterator[Any]) -> list[Any]:
+        """Open the next window with the micro-batches it holds (none: the epoch ended)."""
+        ctx = self._ctx
+        ctx.factor = self._scheduled_factor()
+        self._features.dispatch(Event.WINDOW_OPENING, ctx)
+        ctx.factor = int(min(ctx.factor, self._epoch_length))  # what a window can hold, for the LR and the logs
+        window = list(itertools.islice(iterator, ctx.factor))
+        if math.isinf(self._epoch_length):  # unsized loaders: the ranks agree on every window before its backward
+            agree_on_window(self._fabric, len(window), step=ctx.optimizer_steps + 1)
+        # the window that empties the iterable ends the epoch: a short one, or the last of a sized iterable's
+        self._ends_epoch = len(window) < ctx.factor or self._in_epoch + len(window) >= self._epoch_length
+        if window:
+            ctx.window.open(len(window))
+            ctx.summary = []
+            self._features.dispatch(Event.WINDOW_OPENED, ctx)
+        return window
+
+    def _scheduled_factor(self) -> int:
+        ctx, schedule = self._ctx, self._schedule
+        assert schedule is not None, "built at the first epoch"
+        position = {"epoch": self._epoch, "step": ctx.optimizer_steps, "sample": ctx.samples_seen}
+        return schedule.factor_at(position.get(schedule.unit, ctx.tokens_seen))
+
+    # ------------------------------------------------------------------ one micro-step
+
+    @contextmanager
+    def micro_step(self, batch: Any) -> Iterator[MicroStep]:
+        """Train on ``batch``, the micro-batch :meth:`batches` yielded last: wrap its forward and ``micro.backward``.
+
+        On a non-final micro-step of a window the gradient reduction across ranks is skipped (``gradient_sync``).
+        When the window's last block exits, its gradient is final: the window's mean, ready for clipping and
+        ``optimizer.step()``.
+
+        Raises:
+            RuntimeError: If blocks are nested, ``batch`` is not the micro-batch :meth:`batches` yielded last, or the
+                block ends without ``micro.backward(loss)``.
+        """
+        ctx = self._ctx
+        if self._active is not None:
+            raise RuntimeError(
+                "Accumulator.micro_step was entered inside another `micro_step` block: enter it once per micro-batch,"
+                " around the micro-batch's forward and `micro.backward(loss)`"
+            )
+        if self._offered is None or batch is not self._offered:
+            raise RuntimeError(
+                "Accumulator.micro_step takes the micro-batch `accumulator.batches(loader)` yielded last, once:"
+                " `for batch in accumulator.batches(loader): with accumulator.micro_step(batch) as micro: ...`"
+            )
+        self._offered = None
+        ctx.window.take(ends_epoch=False)  # opened with what it holds: closes at its last micro-batch
+        micro = MicroStep(self, ctx.window.taken - 1, ctx.window.size)
+        ctx.batch, ctx.batch_idx = batch, self._in_epoch
+        self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
+        ctx.loss_divisor = ctx.window.size
+        if ctx.weights_in_float32:  # the unscaled loss is backpropagated; its weight goes in with its gradient
+            ctx.micro_weight, ctx.loss_divisor = 1.0 / ctx.window.size, 1.0
+        self._active = micro
+        try:
+            with self._sync(last=micro.should_step):
+                yield micro
+        finally:
+            self._active = None
+        if micro.loss is None:
+            raise RuntimeError(
+                f"The `micro_step` block of micro-batch {micro.index} of {micro.size} ended without"
+                " `micro.backward(loss)`: every micro-batch of a window backpropagates its loss (0 for one to skip)"
+            )
+        self._end_micro_step(micro)
+
+    def _sync(self, last: bool) -> AbstractContextManager:
+        if last or isinstance(self._fabric.strategy, DeepSpeedStrategy):  # DeepSpeed reduces as it accumulates
+            return nullcontext()
+        return skip_gradient_sync(self._forward, self._policy)
+
+    def _backward(self, micro: MicroStep, loss: torch.Tensor, reduction: str) -> None:
+        ctx = self._ctx
+        if self._active is not micro or micro.loss is not None:
+            where = "outside its `micro_step` block" if self._active is not micro else "twice in one `micro_step`"
+            raise RuntimeError(
+                f"micro.backward(loss) was called {where}: call it once, inside"
+                " `with accumulator.micro_step(batch) as micro:`"
+            )
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}")
+        items = ctx.items
+        if reduction == "sum":
+            if items is None:
+                raise ValueError(
+                    "micro.backward(loss, reduction='sum') divides by the micro-batch's items: set"
+                    " normalize_by='sample' or 'token' (or count_items) on the Accumulator"
+                )
+            loss = loss / (items.clamp(min=1) if isinstance(items, torch.Tensor) else max(items, 1.0))
+        if isinstance(items, torch.Tensor):  # a micro-batch without items weighs 0: its mean may be 0 / 0
+            loss = torch.where(items > 0, loss, torch.zeros_like(loss))
+        micro.loss = loss.detach()
+        ctx.loss = loss / ctx.loss_divisor  # a fresh tensor, which the features may re-weigh in place
+        self._features.dispatch(Event.BEFORE_BACKWARD, ctx)
+        self._fabric.backward(ctx.loss, model=self._model)
+        self._features.dispatch(Event.AFTER_BACKWARD, ctx)
+
+    def _end_micro_step(self, micro: MicroStep) -> None:
+        """A micro-step's block exited; the window's last makes the gradient final (its end comes with the step)."""
+        ctx = self._ctx
+        self._ended = micro
+        if ctx.window.closed:
+            ctx.optimizer, ctx.gradient_scale = self._optimizer, ctx.window.gradient_correction
+            self._features.dispatch(Event.WINDOW_CLOSING, ctx)
+            self._scale_gradients(ctx.gradient_scale)
+            self._features.dispatch(Event.GRADIENT_READY, ctx)
+        else:
+            self._micro_batch_ended()
+
+    def _micro_batch_ended(self) -> None:
+        ctx, micro = self._ctx, self._ended
+        if micro is None:
+            return
+        self._ended = None
+        ctx.samples_seen += ctx.samples_per_micro_step
+        ctx.micro_steps += 1
+        self._in_epoch += 1
+        ctx.loss = None if micro.loss is None else micro.loss / ctx.window.size
+        self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
+        ctx.batch = ctx.loss = None
+
+    def _scale_gradients(self, scale: float | torch.Tensor) -> None:
+        strategy = self._fabric.strategy
+        if isinstance(strategy, DeepSpeedAccumulationStrategy):  # ZeRO holds the window's gradient, not `.grad`
+            strategy.scale_window_gradients(self._wrapped_optimizer, scale)
+        else:
+            groups = self._optimizer.param_groups
+            scale_in_place([p.grad for group in groups for p in group["params"] if p.grad is not None], scale)
+
+    def _finish_window(self) -> None:
+        """The window's step was taken (or skipped by the loop): its last micro-step ends, and the window with it."""
+        ctx = self._ctx
+        if self._ended is None or not ctx.window.closed:
+            return
+        ctx.optimizer_steps += 1
+        self._micro_batch_ended()
+        ctx.metrics = {}
+        self._features.dispatch(Event.WINDOW_CLOSED, ctx)
+        ctx.optimizer = None
+        if self._ends_epoch:  # between this step and the next window, the run is at the next epoch's start
+            self._epoch, self._in_epoch = self._epoch + 1, 0
+
+    def _discard_window(self) -> None:
+        """Drop a window left before its end: its gradients, and what the strategy kept for its reduction."""
+        self._ctx.window.discard()
+        self._ended = None
+        self._optimizer.zero_grad(set_to_none=True)
+        if isinstance(self._fabric.strategy, DeepSpeedStrategy):
+            drop_window(self._wrapped_optimizer)
+        else:
+            drop_fsdp2_pending_gradients(self._forward)
+
+    # ------------------------------------------------------------------ the optimizer's step
+
+    def _before_step(self, *_: Any) -> None:
+        ctx = self._ctx
+        if self._active is not None or not ctx.window.closed:
+            raise RuntimeError(
+                f"optimizer.step() was called on micro-step {ctx.window.taken} of a window of {ctx.window.size}:"
+                " the gradient holds only part of the window. Step only when `micro.should_step` is true, after the"
+                " `micro_step` block"
+            )
+
+    def _after_step(self, *_: Any) -> None:
+        self._finish_window()
+
+    # ------------------------------------------------------------------ what every rank must share
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """``tensor`` summed (or averaged) over the data-parallel ranks, in place (``Context.reduce``)."""
+        if self._ctx.world_size == 1:
+            return tensor
+        torch.distributed.all_reduce(tensor, group=self._group)
+        return tensor / self._ctx.world_size if op == "mean" else tensor
+
+    # ------------------------------------------------------------------ misuse between windows
+
+    def _check_taken(self, batch: Any) -> None:
+        if self._offered is batch:
+            raise RuntimeError(
+                "The micro-batch `accumulator.batches` yielded was not trained on: run each through"
+                " `with accumulator.micro_step(batch) as micro: ...` (to skip one, backpropagate a zero loss)"
+            )
+
+    def _check_between_windows(self, what: str) -> None:
+        window = self._ctx.window
+        if self._active is not None or not window.closed:
+            raise RuntimeError(
+                f"{what} was called inside a window (micro-step {window.taken} of {window.size}): call it between"
+                " windows, after `optimizer.step()`"
+            )
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position and every feature's state, between windows (``fabric.save(path, {"accumulator": ...})``).
+
+        Raises:
+            RuntimeError: Inside a window: a checkpoint is written between windows, after ``optimizer.step()``.
+        """
+        self._check_between_windows("Accumulator.state_dict")
+        self._finish_window()
+        ctx = self._ctx
+        own = {
+            "epoch": self._epoch,
+            "micro_batches_in_epoch": self._in_epoch,
+            "optimizer_steps": ctx.optimizer_steps,
+            "samples_seen": ctx.samples_seen,
+            "micro_steps": ctx.micro_steps,
+        }
+        return {**own, **self._features.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (``fabric.load``), before the resumed run's first :meth:`batches`."""
+        self._check_between_windows("Accumulator.load_state_dict")
+        ctx = self._ctx
+        self._epoch = int(state.get("epoch", 0))
+        self._in_epoch = int(state.get("micro_batches_in_epoch", 0))
+        ctx.optimizer_steps = int(state.get("optimizer_steps", 0))
+        ctx.samples_seen = int(state.get("samples_seen", 0))
+        ctx.micro_steps = int(state.get("micro_steps", 0))
+        self._features.load_state_dict(state)
+        ctx.window = Window()
+
+    def close(self) -> None:
+        """Give the model and optimizer back as they were (LR hooks, DDP's reduction, FSDP2's reduce dtype)."""
+        self._features.dispatch(Event.FIT_END, self._ctx)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._ctx.release()
