@@ -229,6 +229,7 @@ def test_a_bad_tensor_count_in_a_window_kept_on_the_device_is_found_at_the_next_
     from lightning.pytorch.loggers import CSVLogger
 
     x, y = make_data(48)
+
     def count(batch):  # a tensor for every batch, NaN for batch 6
         return torch.tensor(float("nan") if torch.equal(batch[0], x[24:28]) else 4.0)
 
