@@ -149,6 +149,7 @@ def accumulated(fabric: Fabric, data: list[Batch], args: argparse.Namespace) -> 
                 optimizer.zero_grad()
                 scheduler.step()
         snapshots.append([p.detach().clone() for p in model.parameters()])
+    accumulator.close()
     return snapshots
 
 

@@ -171,11 +171,12 @@ def token_head(module: Any) -> tuple[str, bool] | None:
 
 
 def token_counter(
-    module: Any, token_key: str | int, ignore_index: int, purpose: str = "token"
+    module: Any, token_key: str | int, ignore_index: int, purpose: str = "token", shift: bool | None = None
 ) -> tuple[Callable[[Any], Any], str | None]:
     """The token counter for ``module``'s loss, and the summary phrase that says how it counts (``None``: as given).
 
-    ``purpose``: see :func:`count_tokens`.
+    ``purpose``: see :func:`count_tokens`. ``shift``: whether the loss is on ``labels[..., 1:]``; ``None``: as the
+    Hugging Face head in ``module`` weighs them (as given without one).
 
     Example::
 
@@ -183,6 +184,10 @@ def token_counter(
         >>> counter({"labels": torch.tensor([[1, 2, -100]])}), phrase
         (tensor(2), None)
     """
+    if shift is not None:  # the user said
+        counter = make_counter("token", token_key, ignore_index, shift=shift, purpose=purpose)
+        assert counter is not None
+        return counter, f"tokens counted as {token_key}[..., 1:] != {ignore_index} (shifted labels)" if shift else None
     head = token_head(module)
     shifts = head is not None and head[1]
     counter = make_counter("token", token_key, ignore_index, shift=shifts, purpose=purpose)

@@ -268,7 +268,7 @@ def build_schedule(
     if micro_batch_size is None:
         raise ValueError(
             f"`target_batch_size={target_batch_size}` needs the micro-batch size, which could not be read from the"
-            " train dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+            " train dataloader's `batch_size`: pass `micro_batch_size`"
         )
     if ramp is None:
         return Schedule.constant(factor_for_batch_size(target_batch_size, micro_batch_size, world_size))
@@ -379,7 +379,7 @@ class ScheduleSpec:
         if self.unit == "sample" and self.scheduling is not None and micro_batch_size is None:
             raise ValueError(
                 "`unit='sample'` counts samples, but the micro-batch size could not be read from the train"
-                " dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+                " dataloader's `batch_size`: pass `micro_batch_size`"
             )
         return build_schedule(
             self.scheduling, self.unit, self.target_batch_size, self.ramp, micro_batch_size, world_size

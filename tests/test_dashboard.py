@@ -66,7 +66,13 @@ def served(tmp_path_factory):
     x, y = make_data(64)
     logger = TensorBoardLogger(logdir, name="run", version=0)
     callback = AccumulationScheduler(
-        {0: 2, 3: 4}, unit="step", lr_scaling="sqrt", normalize_by="sample", noise_scale=True, adaptive=True
+        {0: 2, 3: 4},
+        unit="step",
+        lr_scaling="sqrt",
+        normalize_by="sample",
+        noise_scale=True,
+        noise_scale_interval=1,
+        adaptive=True,
     )
     trainer([callback], max_epochs=2, logger=logger, log_every_n_steps=1).fit(RegressionModule(), loader(x, y, 4))
     command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", "0", "--host", "127.0.0.1"]
@@ -151,3 +157,22 @@ def test_no_chart_overlays_quantities_whose_ranges_differ_by_more_than_10x(serve
         peaks = [max(abs(value) for value in values) for values in _resolve(port, patterns).values() if values]
         if len(peaks) > 1:
             assert max(peaks) <= 10 * min(peaks), title
+
+
+def test_a_quantity_first_logged_after_the_first_step_joins_the_dashboard(tmp_path):
+    """Logging every step with the noise scale measured every 5th window: the first logged steps have no estimate, and
+    the layout TensorBoard shows (its latest) gains the noise scale's charts once the first estimate is logged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    x, y = make_data(64)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    callback = AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_interval=5)
+    trainer([callback], max_epochs=1, logger=logger, log_every_n_steps=1).fit(RegressionModule(), loader(x, y, 4))
+    events = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    layouts = [
+        layout_pb2.Layout.FromString(t.tensor_proto.string_val[0]) for t in events.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    ]
+    assert "noise scale" not in [category.title for category in layouts[0].category]
+    assert "noise scale" in [category.title for category in layouts[-1].category]

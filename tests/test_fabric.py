@@ -138,6 +138,7 @@ def test_steps_are_counted_up_front_with_the_short_window():
     assert accumulator.steps_per_epoch(loader) == 3  # 4, 4, 2
     assert accumulator.total_steps(loader, epochs=2) == 3 + 5  # then factor 2: 5 windows
     assert accumulator.total_steps(loader, epochs=2, max_steps=4) == 4
+    accumulator.close()  # one Accumulator per optimizer at a time
     target = Accumulator(fabric, model, optimizer, target_batch_size=12)  # 12 / (3 x 1 rank): factor 4
     assert target.steps_per_epoch(loader) == 3
 
@@ -224,7 +225,7 @@ def _misuse_sum_without_counts(accumulator: Accumulator, model: Any, optimizer: 
         (_misuse_backward_outside, RuntimeError, r"micro.backward\(loss\) was called outside its `micro_step` block"),
         (_misuse_nested, RuntimeError, "entered inside another `micro_step` block"),
         (_misuse_another_batch, RuntimeError, "takes the micro-batch `accumulator.batches\\(loader\\)` yielded last"),
-        (_misuse_step_mid_window, RuntimeError, r"optimizer.step\(\) was called on micro-step 1 of a window of 4"),
+        (_misuse_step_mid_window, RuntimeError, r"optimizer.step\(\) was called after micro-step 1 of a window of 4"),
         (_misuse_no_backward, RuntimeError, r"ended without `micro.backward\(loss\)`"),
         (_misuse_skipped_batch, RuntimeError, "was not trained on"),
         (_misuse_save_mid_window, RuntimeError, r"state_dict was called inside a window \(micro-step 1 of 4\)"),
@@ -511,3 +512,141 @@ def test_the_console_names_the_accumulator_not_the_callback(capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("Accumulator: factor 4 x world 1")
     assert "AccumulationScheduler" not in printed
+
+
+# ------------------------------------------------------------------ found by an adversarial review
+
+
+def test_a_call_left_early_leaves_the_epoch_and_the_next_call_trains_all_it_is_given():
+    """A `break` in the middle of a window drops that window (its gradient zeroed); the next call is a whole epoch of
+    what it is given, not cut short by the micro-batches the first call took."""
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4}, normalize_by="token", shift_labels=True)
+    for index, batch in enumerate(accumulator.batches(DATA)):
+        with accumulator.micro_step(batch) as micro:
+            micro.backward(mean_loss(model, batch))
+        if micro.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+        if index == 5:  # inside the second window
+            break
+    assert accumulator.optimizer_steps == 1
+    after_break = [p.detach().clone() for p in model.parameters()]
+    taken = []
+    for batch in accumulator.batches(DATA):
+        taken.append(batch)
+        with accumulator.micro_step(batch) as micro:
+            micro.backward(mean_loss(model, batch))
+        if micro.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert len(taken) == 10
+    assert accumulator.optimizer_steps == 1 + 3
+    # the second call's steps are the big batch's steps from where the first call left the weights
+    net = TinyLM()
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), after_break, strict=True):
+            p.copy_(q)
+    sgd = torch.optim.SGD(net.parameters(), lr=LR)
+    for window in WINDOWS:
+        sgd.zero_grad()
+        tokens = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
+        sum(mean_loss(net, b).nan_to_num() * int((b["labels"][:, 1:] != -100).sum()) for b in window).div(
+            tokens
+        ).backward()
+        sgd.step()
+    assert relative_distance(list(model.parameters()), list(net.parameters()), after_break) <= 1e-6
+
+
+def test_a_resumed_epoch_given_the_micro_batches_left_trains_them_all():
+    """Resumed between windows after 4 micro-batches, with the 6 left of the epoch (a sized iterable): both windows
+    are trained and the epoch ends after them."""
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4})
+    train(accumulator, model, optimizer, DATA, max_steps=1)
+    state = accumulator.state_dict()
+    accumulator.close()
+    resumed = Accumulator(fabric, model, optimizer, scheduling={0: 4})
+    resumed.load_state_dict(state)
+    taken = 0
+    for batch in resumed.batches(DATA[4:]):
+        taken += 1
+        with resumed.micro_step(batch) as micro:
+            micro.backward(mean_loss(model, batch).nan_to_num())
+        if micro.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert (taken, resumed.optimizer_steps, resumed.epoch) == (6, 3, 1)
+
+
+def test_parameters_the_optimizer_does_not_hold_are_refused():
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net = TinyLM()
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.head.parameters(), lr=LR))
+    with pytest.raises(ValueError, match=r"`optimizer` does not hold \d+ trainable parameter\(s\) of the model"):
+        Accumulator(fabric, model, optimizer)
+
+
+def test_one_accumulator_per_optimizer_and_none_after_close():
+    fabric, model, optimizer = setup()
+    first = Accumulator(fabric, model, optimizer, scheduling={0: 2}, lr_scaling="linear", base_batch_size=1)
+    with pytest.raises(ValueError, match="`optimizer` already has an Accumulator"):
+        Accumulator(fabric, model, optimizer)
+    first.close()
+    with pytest.raises(RuntimeError, match=r"Accumulator.batches was called after `close\(\)`"):
+        next(first.batches(DATA))
+    second = Accumulator(fabric, model, optimizer, scheduling={0: 2})
+    train(second, model, optimizer, DATA[3:7])
+    assert optimizer.param_groups[0]["lr"] == LR  # nothing of the first's scale is left
+
+
+def test_an_error_in_the_last_block_drops_the_window_and_refuses_the_step():
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4})
+    before = _weights(model)
+    for batch in accumulator.batches(DATA):
+        try:
+            with accumulator.micro_step(batch) as micro:
+                if micro.should_step:
+                    raise KeyError("a bad batch")
+                micro.backward(mean_loss(model, batch).nan_to_num())
+        except KeyError:
+            with pytest.raises(RuntimeError, match="no window's gradient ready"):
+                optimizer.step()
+            break
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_shifted_labels_weigh_samples_under_normalize_by_sample_and_count_the_token_schedule():
+    """shift_labels with normalize_by='sample' and unit='token': the windows weigh samples; the schedule counts the
+    shifted tokens."""
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(
+        fabric, model, optimizer, scheduling={0: 4}, unit="token", normalize_by="sample", shift_labels=True
+    )
+    train(accumulator, model, optimizer, DATA)
+    shifted = sum(int((batch["labels"][:, 1:] != -100).sum()) for batch in DATA)
+    assert accumulator.features["token_count"].tokens_seen == shifted  # type: ignore[attr-defined]
+    net = TinyLM()
+    sgd = torch.optim.SGD(net.parameters(), lr=LR)
+    start = [p.detach().clone() for p in net.parameters()]
+    for window in WINDOWS:
+        sgd.zero_grad()
+        rows = sum(len(batch["labels"]) for batch in window)
+        (sum(mean_loss(net, batch).nan_to_num() * len(batch["labels"]) for batch in window) / rows).backward()
+        sgd.step()
+    assert relative_distance(list(model.parameters()), list(net.parameters()), start) <= 1e-6
+
+
+def test_a_state_loaded_in_the_same_process_moves_the_token_schedule_back():
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 1, 30: 4}, unit="token", shift_labels=True)
+    train(accumulator, model, optimizer, DATA, max_steps=2)
+    state = accumulator.state_dict()
+    train(accumulator, model, optimizer, DATA)  # past 30 tokens: factor 4
+    assert accumulator.factor == 4
+    accumulator.load_state_dict(state)
+    batches = accumulator.batches(DATA)
+    next(batches)
+    assert accumulator.factor == 1  # at the tokens of the state loaded

@@ -148,5 +148,6 @@ def test_ddp_under_bf16_true_sums_both_ranks_in_float32_and_rounds_once(launched
         assert _ulps(got, expected.flatten()) <= 1.0, name
     for record in (rank0, rank1):
         assert record["buckets"] == 0  # DDP reduced nothing itself
+        assert record["ddp_sync_after"] is True  # a backward after the loop is reduced by DDP again
         # per window: the float32 sums and the token count; once: the typical count
         assert record["collectives"]["c10d::allreduce_"] == 2 * len(WINDOWS) + 1

@@ -94,5 +94,5 @@ def test_the_optimizer_fabric_wraps_steps_the_torch_optimizer_so_its_hooks_see_e
     batch = next(epoch)
     with accumulator.micro_step(batch) as micro:
         micro.backward(model(batch).sum())
-    with pytest.raises(RuntimeError, match="was called on micro-step 1 of a window of 2"):  # the pre-hook sees it
+    with pytest.raises(RuntimeError, match="was called after micro-step 1 of a window of 2"):  # the pre-hook sees it
         optimizer.step()

@@ -17,7 +17,6 @@ resumes where the run would have gone on.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -29,12 +28,12 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy
 
 from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.fabric._checks import check_open, check_optimizer, check_shift_labels, claim, early_step, release
 from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window
 from lightning_accum.fabric._run import FabricRun
 from lightning_accum.fabric._setup import data_parallel, loader_batch_size, set_up_model, set_up_optimizer
 from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationStrategy
 from lightning_accum.features import ItemWeighting, LRScaling, Metrics, TokenCount, WideAccumulation
-from lightning_accum.items import count_tokens
 from lightning_accum.precision import accumulation_dtype, scale_in_place
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
 from lightning_accum.sync import check_gradient_sync, drop_fsdp2_pending_gradients, skip_gradient_sync
@@ -159,21 +158,18 @@ class Accumulator:
         self._fabric = fabric
         self._model, self._forward = set_up_model(fabric, model)
         self._wrapped_optimizer, self._optimizer = set_up_optimizer(fabric, optimizer)
-        if check_bool("shift_labels", shift_labels):
-            if count_items is not None or "token" not in (normalize_by, unit):
-                raise ValueError(
-                    "`shift_labels=True` counts the tokens of labels[..., 1:]: use it with normalize_by='token' or"
-                    f" unit='token' and without `count_items` (got normalize_by={normalize_by!r}, unit={unit!r},"
-                    f" count_items={count_items!r})"
-                )
-            count_items = functools.partial(count_tokens, key=token_key, ignore_index=ignore_index, shift=True)
+        check_shift_labels(shift_labels, count_items, normalize_by, unit)
+        check_optimizer(fabric, self._model, self._optimizer)
         self._policy = check_gradient_sync(gradient_sync)
         log_every = check_int("log_every_n_steps", log_every_n_steps, minimum=1)
         # the callback's features, each with its switch, in its order; the Trainer-only ones (noise scale, adaptive
         # growth, sample-driven LR schedules, the progress bar) are left out
         registry: list[tuple[Feature, bool]] = [
-            (TokenCount(token_key, ignore_index, count_items, normalize_by), unit == "token"),
-            (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
+            (TokenCount(token_key, ignore_index, count_items, normalize_by, shift_labels), unit == "token"),
+            (
+                ItemWeighting(normalize_by, token_key, ignore_index, count_items, shift_labels),
+                normalize_by != "micro_batch",
+            ),
             (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
@@ -193,6 +189,7 @@ class Accumulator:
         self._active: MicroStep | None = None  # the micro-step whose block is open
         self._offered: Any = None  # the micro-batch `batches` yielded last, until its micro-step begins
         self._ended: MicroStep | None = None  # the micro-step whose block exited, until its end is dispatched
+        self._in_call = 0  # micro-batches taken in the call of `batches` in progress
         self._ends_epoch = False  # the window in progress holds the rest of the epoch
         self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero, can_split=False)
         ctx = self._ctx
@@ -210,6 +207,9 @@ class Accumulator:
             self._optimizer.register_step_pre_hook(self._before_step),
             self._optimizer.register_step_post_hook(self._after_step),
         ]
+        claim(self._optimizer)
+        # whether the window's gradient is final (its last block exited without error), whether close() was called
+        self._ready, self._closed = False, False
 
     # ------------------------------------------------------------------ what the loop reads
 
@@ -244,6 +244,8 @@ class Accumulator:
     def steps_per_epoch(self, iterable: Iterable[Any]) -> int:
         """The optimizer steps an epoch of ``iterable`` (a sized one) takes from the run's position, short window too.
 
+        Under ``unit="token"`` an upper bound: the factor in force now (a batch's tokens are not known ahead).
+
         Example::
 
             lr_max_steps = min(epochs * accumulator.steps_per_epoch(train_dataloader), max_steps)
@@ -254,7 +256,7 @@ class Accumulator:
         return run_epoch(schedule, batches, *position, -1, per_micro_step, 1, ctx.tokens_seen)[1]
 
     def total_steps(self, iterable: Iterable[Any], epochs: int, max_steps: int = -1) -> int:
-        """The optimizer steps of a run of ``epochs`` epochs of ``iterable`` from step 0 (for sizing an LR schedule)."""
+        """The optimizer steps of ``epochs`` epochs of ``iterable`` from step 0, to size an LR schedule (as above)."""
         schedule, batches, per_micro_step = self._plan(iterable)
         return plan_run(schedule, batches, epochs, max_steps, per_micro_step)[0]
 
@@ -283,8 +285,10 @@ class Accumulator:
             ValueError: On every rank, if the ranks' loaders differ in length (checked at the epoch's start for sized
                 ones, at each window for the others) or in batch size.
         """
+        check_open("batches", self._closed)
         self._max_steps = -1 if max_steps is None else check_int("max_steps", max_steps, minimum=0)
         self._start_epoch(iterable)
+        self._in_call = 0  # micro-batches this call took: a sized iterable ends after its length
         iterator = iter(iterable)
         try:
             while max_steps is None or self._ctx.optimizer_steps < max_steps:
@@ -332,7 +336,7 @@ class Accumulator:
         if math.isinf(self._epoch_length):  # unsized loaders: the ranks agree on every window before its backward
             agree_on_window(self._fabric, len(window), step=ctx.optimizer_steps + 1)
         # the window that empties the iterable ends the epoch: a short one, or the last of a sized iterable's
-        self._ends_epoch = len(window) < ctx.factor or self._in_epoch + len(window) >= self._epoch_length
+        self._ends_epoch = len(window) < ctx.factor or self._in_call + len(window) >= self._epoch_length
         if window:
             ctx.window.open(len(window))
             ctx.summary = []
@@ -360,6 +364,7 @@ class Accumulator:
                 block ends without ``micro.backward(loss)``.
         """
         ctx = self._ctx
+        check_open("micro_step", self._closed)
         if self._active is not None:
             raise RuntimeError(
                 "Accumulator.micro_step was entered inside another `micro_step` block: enter it once per micro-batch,"
@@ -382,12 +387,16 @@ class Accumulator:
         try:
             with self._sync(last=micro.should_step):
                 yield micro
+        except BaseException:
+            self._active = None
+            self._discard_window()  # the window cannot be completed: no step may take what it holds
+            raise
         finally:
             self._active = None
         if micro.loss is None:
             raise RuntimeError(
                 f"The `micro_step` block of micro-batch {micro.index} of {micro.size} ended without"
-                " `micro.backward(loss)`: every micro-batch of a window backpropagates its loss (0 for one to skip)"
+                " `micro.backward(loss)`: every micro-batch of a window backpropagates its loss"
             )
         self._end_micro_step(micro)
 
@@ -431,6 +440,7 @@ class Accumulator:
             self._features.dispatch(Event.WINDOW_CLOSING, ctx)
             self._scale_gradients(ctx.gradient_scale)
             self._features.dispatch(Event.GRADIENT_READY, ctx)
+            self._ready = True
         else:
             self._micro_batch_ended()
 
@@ -442,6 +452,7 @@ class Accumulator:
         ctx.samples_seen += ctx.samples_per_micro_step
         ctx.micro_steps += 1
         self._in_epoch += 1
+        self._in_call += 1
         ctx.loss = None if micro.loss is None else micro.loss / ctx.window.size
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         ctx.batch = ctx.loss = None
@@ -459,6 +470,7 @@ class Accumulator:
         ctx = self._ctx
         if self._ended is None or not ctx.window.closed:
             return
+        self._ready = False
         ctx.optimizer_steps += 1
         self._micro_batch_ended()
         ctx.metrics = {}
@@ -470,7 +482,7 @@ class Accumulator:
     def _discard_window(self) -> None:
         """Drop a window left before its end: its gradients, and what the strategy kept for its reduction."""
         self._ctx.window.discard()
-        self._ended = None
+        self._ended, self._ready = None, False
         self._optimizer.zero_grad(set_to_none=True)
         if isinstance(self._fabric.strategy, DeepSpeedStrategy):
             drop_window(self._wrapped_optimizer)
@@ -480,13 +492,8 @@ class Accumulator:
     # ------------------------------------------------------------------ the optimizer's step
 
     def _before_step(self, *_: Any) -> None:
-        ctx = self._ctx
-        if self._active is not None or not ctx.window.closed:
-            raise RuntimeError(
-                f"optimizer.step() was called on micro-step {ctx.window.taken} of a window of {ctx.window.size}:"
-                " the gradient holds only part of the window. Step only when `micro.should_step` is true, after the"
-                " `micro_step` block"
-            )
+        if not self._ready:
+            raise RuntimeError(early_step(self._ctx.window, inside=self._active is not None))
 
     def _after_step(self, *_: Any) -> None:
         self._finish_window()
@@ -506,7 +513,7 @@ class Accumulator:
         if self._offered is batch:
             raise RuntimeError(
                 "The micro-batch `accumulator.batches` yielded was not trained on: run each through"
-                " `with accumulator.micro_step(batch) as micro: ...` (to skip one, backpropagate a zero loss)"
+                " `with accumulator.micro_step(batch) as micro: ...`"
             )
 
     def _check_between_windows(self, what: str) -> None:
@@ -547,12 +554,21 @@ class Accumulator:
         ctx.samples_seen = int(state.get("samples_seen", 0))
         ctx.micro_steps = int(state.get("micro_steps", 0))
         self._features.load_state_dict(state)
+        if "token_count" in self._features:  # the schedule's position, as the first epoch's FIT_START publishes it
+            ctx.tokens_seen = self._features["token_count"].tokens_seen  # type: ignore[attr-defined]
         ctx.window = Window()
 
     def close(self) -> None:
-        """Give the model and optimizer back as they were (LR hooks, DDP's reduction, FSDP2's reduce dtype)."""
+        """Give the model and optimizer back as they were (LR hooks, DDP's reduction, FSDP2's reduce dtype).
+
+        The Accumulator takes no more micro-batches after it; another may then be created on the optimizer.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._features.dispatch(Event.FIT_END, self._ctx)
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        release(self._optimizer)
         self._ctx.release()

@@ -49,6 +49,8 @@ class ItemWeighting(Feature):
         token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
         count_items: ``batch -> int or tensor``, replacing the two rules above.
+        shift_labels: Under ``"token"`` without ``count_items``: count ``labels[..., 1:]`` (a causal LM's loss on
+            shifted labels), instead of as a Hugging Face head in the module weighs them.
 
     Raises:
         TypeError: If ``token_key``, ``ignore_index`` or ``count_items`` has the wrong type.
@@ -76,6 +78,7 @@ class ItemWeighting(Feature):
         token_key: str | int = "labels",
         ignore_index: int = -100,
         count_items: Callable[[Any], Any] | None = None,
+        shift_labels: bool = False,
     ) -> None:
         self.normalize_by = check_normalize_by(normalize_by)
         if not isinstance(token_key, (str, int)) or isinstance(token_key, bool):
@@ -85,6 +88,7 @@ class ItemWeighting(Feature):
             raise TypeError(f"`count_items` must be a callable `batch -> int`, got {count_items!r}")
         self._count = make_counter(self.normalize_by, token_key, ignore_index, count_items)
         self._rule = (token_key, ignore_index) if self.normalize_by == "token" and count_items is None else None
+        self._shift = bool(shift_labels)
         self._check_labels = False  # whether the fit's first batch is yet to be checked for labels a model shifts
         self._per_micro_batch: float | None = None  # the same on every rank: the scale the losses are put on
         self._window_items: Any = 0  # this rank's items in the window so far (a tensor once counted)
@@ -113,10 +117,11 @@ class ItemWeighting(Feature):
     def fit_start(self, ctx: Context) -> None:
         if self._rule is None:
             return
-        self._count, phrase = token_counter(ctx.module, *self._rule)  # a Hugging Face model: the tokens it weighs
+        # the labels shifted as the user said, or as a Hugging Face model weighs them
+        self._count, phrase = token_counter(ctx.module, *self._rule, shift=True if self._shift else None)
         if phrase is not None and phrase not in ctx.summary:
             ctx.summary.append(phrase)
-        self._check_labels = True
+        self._check_labels = not self._shift
 
     @override
     def window_opened(self, ctx: Context) -> None:
@@ -204,7 +209,8 @@ class ItemWeighting(Feature):
         if backwards and total <= 0:
             first = ctx.batch_idx - ctx.window.taken + 1
             raise ValueError(
-                f"`count_items` counted 0 {self.normalize_by}s in the window of batches {first}-{ctx.batch_idx}"
+                f"{'`count_items` counted' if self._custom else 'Counted'} 0 {self.normalize_by}s in the window of"
+                f" batches {first}-{ctx.batch_idx}"
                 f" (normalize_by={self.normalize_by!r}, on every rank): the window's mean loss is undefined. Check"
                 " `count_items`, `token_key` and `ignore_index`, or drop batches without a loss-bearing item"
             )

@@ -4,8 +4,9 @@ Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's val
 with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
 in one call per logger, every ``log_every_n_steps`` optimizer steps (published as ``ctx.log_every`` at ``FIT_START``,
 read by item weighting, which checks its device counts on the logged steps); what the device holds is read to the host
-in one read, on a logged step only. At ``FIT_START`` it writes the Custom Scalars layout and the run's summary line
-(the other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line of its own above the
+in one read, on a logged step only. With the first logged step it writes the Custom Scalars layout (again when a
+quantity appears later, such as the noise scale's first estimate), and at ``FIT_START`` the run's summary line (the
+other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line of its own above the
 progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
 LR scale, it adds an entry saying what changed, at which optimizer step and sample. The progress bar shows the factor
 and the effective batch as integers, and says when a window was cut short (``ctx.run.show_in_progress_bar``).
@@ -37,13 +38,14 @@ class Metrics(Feature):
         self._items: torch.Tensor | int = 0  # the items that loss is summed over (item weighting only)
         self._started = 0.0
         self._batch: tuple[int, int] | None = None  # (factor, effective batch) of the last window, this fit
-        self._layout_written = False  # written with the first step's metrics: charts for what this run logs
+        self._tags: set[str] = set()  # what this fit logged so far: the dashboard draws a chart for each quantity
+        self._layout: dict[str, dict[str, list]] | None = None  # the dashboard written last, this fit
         self._step = 0  # the optimizer step the window in progress ends in
         self._logging = False  # whether that step is logged
 
     @override
     def fit_start(self, ctx: Context) -> None:
-        self._batch, self._layout_written = None, False
+        self._batch, self._tags, self._layout = None, set(), None
         ctx.log_every = ctx.run.log_every_n_steps if ctx.run.loggers else 0  # the same on every rank
         if ctx.is_global_zero:
             self._write_summary(ctx, [batch_summary(ctx.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary])
@@ -117,9 +119,12 @@ class Metrics(Feature):
         metrics.update((name, value) for name, value in read.items() if not name.startswith("_"))
         for logger in loggers:
             logger.log_metrics(metrics, step=ctx.optimizer_steps)
-        if not self._layout_written:
-            self._layout_written = True
-            layout = tensorboard_layout(metrics)
+        # written with the first logged step, and again when a quantity appears later (the noise scale's first
+        # measured window): TensorBoard shows the run's latest layout
+        self._tags.update(metrics)
+        layout = tensorboard_layout(self._tags)
+        if layout != self._layout:
+            self._layout = layout
             for logger in loggers:
                 if isinstance(logger, TensorBoardLogger):
                     logger.experiment.add_custom_scalars(layout)

@@ -33,6 +33,8 @@ class TokenCount(Feature):
             it counts samples, and the tokens are read from the labels.
         normalize_by: The run's item weighting. Under ``"token"`` the weighting warns of labels its count may
             misread (:func:`~lightning_accum.items.label_warning`), so this feature does not warn again.
+        shift_labels: Without ``count_items``: count ``labels[..., 1:]`` (a causal LM's loss on shifted labels),
+            instead of as a Hugging Face head in the module weighs them.
 
     Example::
 
@@ -55,6 +57,7 @@ class TokenCount(Feature):
         ignore_index: int = -100,
         count_items: Callable[[Any], Any] | None = None,
         normalize_by: str = "micro_batch",
+        shift_labels: bool = False,
     ) -> None:
         count_items = None if normalize_by == "sample" else count_items  # there it counts samples
         self._warns = normalize_by != "token"
@@ -63,6 +66,7 @@ class TokenCount(Feature):
         self._count = counter
         self._source = "count_items" if count_items is not None else "unit='token'"
         self._rule = None if count_items is not None else (token_key, ignore_index)  # counted as the model weighs
+        self._shift = bool(shift_labels)
         self.tokens_seen = 0
         self._window: Any = 0  # this rank's tokens in the window so far (a tensor once counted)
         self._window_total = 0
@@ -84,10 +88,11 @@ class TokenCount(Feature):
     def fit_start(self, ctx: Context) -> None:
         ctx.tokens_seen = self.tokens_seen
         if self._rule is not None:  # a Hugging Face model in the module: its loss-bearing tokens
-            self._count, phrase = token_counter(ctx.module, *self._rule, purpose="schedule")
+            shift = True if self._shift else None
+            self._count, phrase = token_counter(ctx.module, *self._rule, purpose="schedule", shift=shift)
             if phrase is not None and phrase not in ctx.summary:
                 ctx.summary.append(phrase)
-            self._check_labels = self._warns
+            self._check_labels = self._warns and not self._shift
 
     @override
     def window_opened(self, ctx: Context) -> None:

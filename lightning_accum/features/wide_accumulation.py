@@ -10,8 +10,9 @@ Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-
   gradient); the window's sum is written back once before the step, for every trainable parameter (float32 ones too:
   their weights must not be applied to a narrow loss either);
 - DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same, with DDP's own
-  reduction off for the whole window (``ctx.run.reduce_gradients_elsewhere``) and the float32 sums all-reduced once
-  per window (``ctx.run.all_reduce_sum``; float32 communication: twice the bytes of bfloat16);
+  reduction off for the whole window and given back at its end (``ctx.run.reduce_gradients_elsewhere``), and the
+  float32 sums all-reduced once per window (``ctx.run.all_reduce_sum``; float32 communication: twice the bytes of
+  bfloat16);
 - FSDP2 (``fully_shard``): the units' reduce dtype is widened, so FSDP2 itself keeps the unreduced gradients of
   ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once.
 
@@ -181,6 +182,7 @@ class WideAccumulation(Feature):
         accumulator.add(self._weight)  # the window's last micro-batch
         if self._reduces:
             accumulator.reduce(ctx.run.all_reduce_sum, ctx.world_size)
+            ctx.run.reduce_gradients_elsewhere(False)  # DDP's own again until the next window: a backward between
         accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
         if ctx.optimizer is not None:  # parameters accumulated in place, as usual
             covered = {id(p) for p in accumulator.params}

@@ -172,6 +172,8 @@ def run(
     record["buckets"] = len(BUCKETS)
     units = fsdp2_modules(model._forward_module)
     record["sync_after"] = [list(fsdp2_sync_state(unit)) for unit in units]
+    # DDP's own reduction after the loop (the Accumulator turns it off for bf16 windows, and back on at their end)
+    record["ddp_sync_after"] = getattr(model._forward_module, "require_backward_grad_sync", None)
     record["weights"] = full_weights(model)
     write(out, name, fabric.global_rank, record)
 

@@ -1,0 +1,96 @@
+"""What the Accumulator refuses before any weight changes, besides the misuse of a loop's blocks.
+
+Arguments that contradict, an optimizer it cannot serve, a step before the window's gradient is final. Lightning
+glue (Fabric's strategies); the misuse of a loop's blocks is checked where it happens, in the Accumulator.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DeepSpeedStrategy
+
+from lightning_accum.schedule import check_bool
+from lightning_accum.window import Window
+
+_IN_USE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers an open Accumulator steps
+
+
+def check_shift_labels(shift_labels: object, count_items: Any, normalize_by: str, unit: str) -> None:
+    """``shift_labels`` counts the labels' tokens: it needs a token count (weighting or schedule), no ``count_items``.
+
+    Raises:
+        TypeError: If ``shift_labels`` is not a bool.
+        ValueError: If it is on where it counts nothing.
+    """
+    if check_bool("shift_labels", shift_labels) and (count_items is not None or "token" not in (normalize_by, unit)):
+        raise ValueError(
+            "`shift_labels=True` counts the tokens of labels[..., 1:]: use it with normalize_by='token' or"
+            f" unit='token' and without `count_items` (got normalize_by={normalize_by!r}, unit={unit!r},"
+            f" count_items={count_items!r})"
+        )
+
+
+def check_optimizer(fabric: Fabric, model: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that another open Accumulator steps, or that misses trainable parameters of the model.
+
+    Raises:
+        ValueError: If another Accumulator holds ``optimizer`` (each would scale its learning rate), or it does not
+            hold every trainable parameter (their gradients would miss the window's weighting; under DeepSpeed ZeRO's
+            optimizer holds partitions of them all).
+    """
+    if optimizer in _IN_USE:
+        raise ValueError(
+            "`optimizer` already has an Accumulator: two would each scale its learning rate and its gradients."
+            " Call `close()` on the first one before creating another"
+        )
+    if isinstance(fabric.strategy, DeepSpeedStrategy):
+        return
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"`optimizer` does not hold {len(missing)} trainable parameter(s) of the model ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): the Accumulator weighs the window's gradients of its optimizer's"
+            " parameters only. Pass one optimizer over every trainable parameter, or freeze the others"
+            " (requires_grad=False)"
+        )
+
+
+def claim(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is stepped by an open Accumulator from now on."""
+    _IN_USE.add(optimizer)
+
+
+def release(optimizer: torch.optim.Optimizer) -> None:
+    """The Accumulator stepping ``optimizer`` was closed."""
+    _IN_USE.discard(optimizer)
+
+
+def early_step(window: Window, inside: bool) -> str:
+    """What an ``optimizer.step()`` before the window's gradient is final is told (``inside`` a ``micro_step`` block).
+
+    Example::
+
+        >>> early_step(Window(size=4, taken=1, closed=False), inside=False)[:63]
+        'optimizer.step() was called after micro-step 1 of a window of 4'
+    """
+    if inside:
+        where = f"inside the `micro_step` block of micro-step {window.taken} of {window.size}"
+    elif not window.closed:
+        where = f"after micro-step {window.taken} of a window of {window.size}"
+    else:
+        where = "with no window's gradient ready (the window's last block raised, or the step was taken already)"
+    return (
+        f"optimizer.step() was called {where}: the gradient is not the window's mean. Step only when"
+        " `micro.should_step` is true, after its `micro_step` block exits"
+    )
+
+
+def check_open(what: str, closed: bool) -> None:
+    """Refuse ``Accumulator.what`` after ``close()``."""
+    if closed:
+        raise RuntimeError(f"Accumulator.{what} was called after `close()`: create a new Accumulator")
