@@ -56,7 +56,8 @@ def train(out: Path, kill: bool, resume: bool) -> dict[str, Any]:
     )  # fmt: skip
     state = {"model": model, "optimizer": optimizer, "accumulator": accumulator, "loader": loader}
     record: dict[str, Any] = {}
-    checkpoint = out / "checkpoint.ckpt"
+    # the uninterrupted run saves too, beside it in the same folder: each run its own file
+    checkpoint = out / ("uninterrupted.ckpt" if not (kill or resume) else "killed.ckpt")
     if resume:
         fabric.load(checkpoint, state)
         record["resumed_at"] = [accumulator.epoch, accumulator.optimizer_steps]
