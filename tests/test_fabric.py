@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fabric_common import (  # noqa: E402
     LR,
     TinyLM,
+    litgpt_loop,
     make_pairs,
     mean_loss,
     micro_batches,
@@ -48,21 +49,6 @@ def train(accumulator: Accumulator, model: Any, optimizer: Any, data: list, epoc
             with accumulator.micro_step(batch) as micro:
                 micro.backward(mean_loss(model, batch))
             if micro.should_step:
-                optimizer.step()
-                optimizer.zero_grad()
-
-
-def litgpt_loop(fabric: Fabric, model: Any, optimizer: Any, data: list, factor: int, epochs: int) -> None:
-    """litgpt's finetune/full.py accumulation (its CycleIterator replaced by epochs): every micro-batch's own mean
-    divided by the factor; a step only at a multiple of the factor, so an epoch's short last window is never stepped."""
-    iter_num = 0
-    for _ in range(epochs):
-        for batch in data:
-            iter_num += 1
-            is_accumulating = iter_num % factor != 0
-            with fabric.no_backward_sync(model, enabled=is_accumulating):
-                fabric.backward(mean_loss(model, batch) / factor)
-            if not is_accumulating:
                 optimizer.step()
                 optimizer.zero_grad()
 

@@ -8,40 +8,23 @@ and reference. DeepSpeed's facts relied on (deepspeed 0.19.8): with ``managed_gr
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from lightning.fabric.strategies import DeepSpeedStrategy
 
 from lightning_accum.fabric import DeepSpeedAccumulationStrategy
-from tests.helpers import launch_environment, launched_ahead
-from tests.test_fabric_distributed import WINDOWS, distance
+from tests.helpers import launched_ahead
+from tests.test_fabric_distributed import WINDOWS, distance, launch, records
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fabric_deepspeed.py"
 
 
-def _launch(out: Path, limit: int = 300) -> Path:
-    done = subprocess.run(
-        ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPT), str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=launch_environment(),
-    )
-    clues = [line for line in (done.stdout + done.stderr).splitlines() if "Error" in line or "Traceback" in line]
-    assert done.returncode != 137, f"killed after {limit} s: a rank hung; {clues[-20:]}"
-    assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n{done.stderr[-4000:]}"
-    return out
+def _launch(out: Path) -> Path:
+    return launch(SCRIPT, out)
 
 
 launched = launched_ahead("launched", _launch)
-
-
-def records(out: Path, name: str) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 def test_zero2_steps_once_per_window_and_equals_the_big_batch(launched):

@@ -27,11 +27,12 @@ WINDOWS = [(0, 3), (3, 6), (6, 8)]  # factor 3 over 8 micro-batches: the last wi
 UNITS = 3  # FSDP2 units: block, head and the root (the embedding)
 
 
-def _launch(out: Path, limit: int = 300) -> Path:
+def launch(script: Path, out: Path, limit: int = 300) -> Path:
+    """Run ``script OUT`` (two ranks that Fabric's launcher starts) under a hard timeout; ``out`` once it succeeded."""
     # `timeout -s KILL` kills the whole process group (Fabric's launcher starts rank 1 as rank 0's child): a hang
     # fails the test instead of holding the suite
     done = subprocess.run(
-        ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPT), str(out)],
+        ["timeout", "-s", "KILL", str(limit), sys.executable, str(script), str(out)],
         capture_output=True,
         text=True,
         check=False,
@@ -41,6 +42,10 @@ def _launch(out: Path, limit: int = 300) -> Path:
     assert done.returncode != 137, f"killed after {limit} s: a rank hung; {clues[-20:]}"
     assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n{done.stderr[-4000:]}"
     return out
+
+
+def _launch(out: Path) -> Path:
+    return launch(SCRIPT, out)
 
 
 launched = launched_ahead("launched", _launch)

@@ -7,7 +7,7 @@ every rank) divided by their number.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -99,3 +99,21 @@ def relative_distance(
         return sum((x.detach().float() - y.detach().float()).pow(2).sum() for x, y in zip(a, b, strict=True))
 
     return float((squared(weights, reference) / squared(reference, start)).sqrt())
+
+
+def litgpt_loop(fabric: Any, model: Any, optimizer: Any, data: Iterable[Batch], factor: int, epochs: int = 1) -> int:
+    """litgpt's finetune/full.py accumulation (its CycleIterator replaced by epochs), with Fabric's no_backward_sync:
+    every micro-batch's own mean divided by the factor; a step only at a multiple of the factor, so an epoch's short
+    last window is never stepped. The optimizer steps taken."""
+    iter_num = steps = 0
+    for _ in range(epochs):
+        for batch in data:
+            iter_num += 1
+            is_accumulating = iter_num % factor != 0
+            with fabric.no_backward_sync(model, enabled=is_accumulating):
+                fabric.backward(mean_loss(model, batch) / factor)
+            if not is_accumulating:
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+    return steps

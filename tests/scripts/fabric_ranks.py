@@ -30,7 +30,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fabric_common import LR, TinyLM, make_pairs, mean_loss, micro_batches  # noqa: E402
+from fabric_common import LR, TinyLM, litgpt_loop, make_pairs, mean_loss, micro_batches  # noqa: E402
 
 from lightning_accum.fabric import Accumulator  # noqa: E402
 from lightning_accum.sync import fsdp2_modules, fsdp2_sync_state  # noqa: E402
@@ -96,16 +96,7 @@ def accumulated(backend: str, fabric: Fabric, model: Any, optimizer: Any, data: 
 
 def litgpt(backend: str, fabric: Fabric, model: Any, optimizer: Any, data: Any, factor: int) -> dict:
     """litgpt's finetune/full.py accumulation, with Fabric's own no_backward_sync."""
-    steps = 0
-    for iter_num, batch in enumerate(data, 1):
-        is_accumulating = iter_num % factor != 0
-        with fabric.no_backward_sync(model, enabled=is_accumulating):
-            fabric.backward(mean_loss(model, batch) / factor)
-        if not is_accumulating:
-            optimizer.step()
-            optimizer.zero_grad()
-            steps += 1
-    return {"optimizer_steps": steps}
+    return {"optimizer_steps": litgpt_loop(fabric, model, optimizer, data, factor)}
 
 
 def generator(data: list) -> Iterator[Any]:
