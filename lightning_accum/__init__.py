@@ -1,12 +1,16 @@
 """lightning_accum: exact, scheduled and visible gradient accumulation for PyTorch Lightning."""
 
-from lightning_accum import _instantiate
-from lightning_accum.__about__ import __version__
-from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches
-from lightning_accum.coupled import all_gather_with_grad, cached
-from lightning_accum.manual import ManualAccumulation, MicroStep
-from lightning_accum.sample_driven_lr import SampleDrivenLR
-from lightning_accum.strategies import (
+from lightning_accum import _versions
+
+_versions.check_installed()  # an unsupported lightning or torch is refused here, not deep inside a fit
+
+from lightning_accum import _instantiate  # noqa: E402
+from lightning_accum.__about__ import __version__  # noqa: E402
+from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches  # noqa: E402
+from lightning_accum.coupled import all_gather_with_grad, cached  # noqa: E402
+from lightning_accum.manual import ManualAccumulation, MicroStep  # noqa: E402
+from lightning_accum.sample_driven_lr import SampleDrivenLR  # noqa: E402
+from lightning_accum.strategies import (  # noqa: E402
     AccumulationStrategyMixin,
     DDPAccumulationStrategy,
     DeepSpeedAccumulationStrategy,

@@ -10,12 +10,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum._position import count_steps
 from lightning_accum.events import takes_dataloader_iter
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
@@ -34,8 +32,13 @@ def check_arguments(adaptive: object, noise_scale: object, micro_batch_size: obj
         raise ValueError(f"`micro_batch_size` must be an integer >= 1, 'auto' or None, got {micro_batch_size!r}")
 
 
-def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: Any) -> None:
-    """Raise before the first batch when the Trainer cannot run ``callback`` (an ``AccumulationScheduler``)."""
+def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: Any, kind: type | None = None) -> None:
+    """Raise before the first batch when the Trainer cannot run ``callback`` (an ``AccumulationScheduler``).
+
+    ``kind``: the class whose instances (of either namespace) count as a second accumulation callback; by default
+    ``callback``'s own.
+    """
+    names = trainer_names(trainer)
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
             f"AccumulationScheduler sets the factor itself: remove `Trainer(accumulate_grad_batches="
@@ -44,8 +47,8 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
         )
     if trainer.strategy.handles_gradient_accumulation:
         instead = (
-            "use lightning_accum.DeepSpeedAccumulationStrategy (same arguments)"
-            if isinstance(trainer.strategy, DeepSpeedStrategy)
+            f"use {names.home}.DeepSpeedAccumulationStrategy (same arguments)"
+            if isinstance(trainer.strategy, names.DeepSpeedStrategy)
             else "use its own accumulation setting instead"
         )
         raise ValueError(
@@ -57,18 +60,19 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
             "AccumulationScheduler drives automatic optimization; with `automatic_optimization = False` call"
             " `manual_backward` and `optimizer.step()` yourself at the window boundaries"
         )
+    ours = kind or type(callback)
     for other in trainer.callbacks:  # type: ignore[attr-defined]
-        if other is not callback and isinstance(other, (type(callback), GradientAccumulationScheduler)):
+        if other is not callback and isinstance(other, (ours, names.GradientAccumulationScheduler)):
             raise ValueError(
                 f"Only one accumulation callback may be attached: found {type(other).__name__} beside this"
                 " AccumulationScheduler"
             )
-    if isinstance(trainer.strategy, ModelParallelStrategy) and not isinstance(
+    if isinstance(trainer.strategy, names.ModelParallelStrategy) and not isinstance(
         trainer.strategy, AccumulationStrategyMixin
     ):
         rank_zero_warn(
             "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
-            " use lightning_accum.ModelParallelAccumulationStrategy to reduce once per optimizer step"
+            f" use {names.home}.ModelParallelAccumulationStrategy to reduce once per optimizer step"
         )
 
 
@@ -120,6 +124,7 @@ def warn_at_fit_start(
         return
     steps = count_steps(trainer, spec, micro_batch_size)
     module = trainer.lightning_module
+    is_overridden = trainer_names(module).is_overridden
     overridden = [name for name in ("optimizer_step", "optimizer_zero_grad") if is_overridden(name, module)]
     if overridden:
         hooks = " and ".join(f"`LightningModule.{name}`" for name in overridden)
@@ -129,7 +134,7 @@ def warn_at_fit_start(
         )
     if not grows and steps == _stepping_batches(trainer):  # the Trainer's own figure is right (a constant factor)
         return
-    rank_zero_info(
+    trainer_names(trainer).rank_zero_info(
         f"AccumulationScheduler: this run takes{' at most' if grows else ''} {steps} optimizer steps;"
         " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
         " `lightning_accum.estimated_stepping_batches(trainer)`."

@@ -32,6 +32,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum._run import print_line
 
 _SHADOWED = (
@@ -133,8 +134,8 @@ class LoopControl:
             if not callable(getattr(type(owners[owner]), name, None)):
                 raise RuntimeError(
                     f"lightning_accum routes `{type(owners[owner]).__name__}.{name}`, which lightning"
-                    f" {pl.__version__} does not have: install a lightning version within the range that"
-                    " lightning_accum pins"
+                    f" {trainer_names(self._trainer).version} does not have: install a lightning version within the"
+                    " range that lightning_accum pins"
                 )
         should_accumulate = self._should_accumulate(epoch_loop)
         routed = {

@@ -46,9 +46,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
-from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum._ranks import any_rank, smallest
 from lightning_accum._run import print_line
 from lightning_accum.coupled import add_listener
@@ -395,7 +395,7 @@ class MicroBatcher:
         if isinstance(strategy, AccumulationStrategyMixin):
             with skip_gradient_sync(strategy.model, strategy.gradient_sync):  # type: ignore[attr-defined]
                 yield
-        elif isinstance(strategy, ParallelStrategy):
+        elif isinstance(strategy, trainer_names(strategy).ParallelStrategy):
             with strategy.block_backward_sync():
                 yield
         else:

@@ -7,9 +7,9 @@ coordinator; the arithmetic is :mod:`lightning_accum.schedule`'s.
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import LearningRateFinder
 from torch.utils.data import DataLoader
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum.events import Context
 from lightning_accum.schedule import Schedule, ScheduleSpec, plan_run
 
@@ -64,7 +64,8 @@ def factor_before_training(trainer: pl.Trainer, spec: ScheduleSpec, samples_seen
     factor = spec.factor_before_loading(position(trainer, samples_seen), trainer.world_size)
     if factor is not None:
         return factor
-    if any(isinstance(callback, LearningRateFinder) for callback in trainer.callbacks):  # type: ignore[attr-defined]
+    finder = trainer_names(trainer).LearningRateFinder
+    if any(isinstance(callback, finder) for callback in trainer.callbacks):  # type: ignore[attr-defined]
         raise ValueError(
             f"`lr_find` runs before AccumulationScheduler can read the micro-batch size from the train dataloader, so"
             f" it cannot accumulate to `target_batch_size={spec.target_batch_size}`: pass `micro_batch_size` to"

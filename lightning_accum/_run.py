@@ -21,12 +21,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum.events import Context, DataParallel, Run, takes_dataloader_iter
-from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy
+from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationMixin
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_modules
 
@@ -40,8 +38,9 @@ class TrainerRun(Run):
 
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
+        self._names = names = trainer_names(trainer)
         bar = trainer.progress_bar_callback
-        self._bar = bar if isinstance(bar, (TQDMProgressBar, RichProgressBar)) else None
+        self._bar = bar if isinstance(bar, (names.TQDMProgressBar, names.RichProgressBar)) else None
         self._total: tuple[int, int] | None = None  # (epoch, total) the bar was last sized to
         self._bar_reset: Callable[..., Any] | None = None  # the bar's own on_train_epoch_start, while wrapped
 
@@ -87,14 +86,14 @@ class TrainerRun(Run):
             wrapper = "fsdp1"
         elif fsdp2_modules(model):
             wrapper = "fsdp2"
-        elif isinstance(strategy, DeepSpeedAccumulationStrategy):
+        elif isinstance(strategy, DeepSpeedAccumulationMixin):
             wrapper = "deepspeed"
         return DataParallel(
             wrapper=wrapper,
             strategy=type(strategy).__name__,
             gradient_sync=strategy.gradient_sync if isinstance(strategy, AccumulationStrategyMixin) else None,
             static_graph=bool(getattr(model, "static_graph", False)),
-            shards_parameters=isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)),
+            shards_parameters=isinstance(strategy, (self._names.FSDPStrategy, self._names.ModelParallelStrategy)),
             zero_stage=strategy.zero_stage if wrapper == "deepspeed" else None,
         )
 
@@ -156,8 +155,9 @@ def print_line(trainer: pl.Trainer, text: str) -> None:
 
     A drawn bar (TQDM or Rich) prints it through its own ``print``, which clears the bar, writes the line and draws
     the bar again below it; otherwise it goes through Lightning's rank-zero logging (``rank_zero_info``, logger
-    ``lightning.pytorch.utilities.rank_zero``). A line logged beside a drawn bar lands at the end of the bar's own line:
-    the bar ends in a carriage return, not a newline, and the logging handler knows nothing of it.
+    ``lightning.pytorch.utilities.rank_zero``, or ``pytorch_lightning``'s for its Trainer). A line logged beside a
+    drawn bar lands at the end of the bar's own line: the bar ends in a carriage return, not a newline, and the logging
+    handler knows nothing of it.
 
     Args:
         trainer: The Trainer whose bar is asked.
@@ -171,7 +171,7 @@ def print_line(trainer: pl.Trainer, text: str) -> None:
     if trainer.is_global_zero and bar is not None and _drawn(bar):
         bar.print(text)
     else:
-        rank_zero_info(text)  # nothing on the other ranks
+        trainer_names(trainer).rank_zero_info(text)  # nothing on the other ranks
 
 
 def _drawn(bar: Any) -> bool:
@@ -179,18 +179,19 @@ def _drawn(bar: Any) -> bool:
 
     An enabled TQDM bar not yet drawn, or no longer, would print nothing: its ``print`` needs a bar to write above.
     """
-    if isinstance(bar, TQDMProgressBar):
+    names = trainer_names(bar)
+    if isinstance(bar, names.TQDMProgressBar):
         # created at the bar's own on_train_start (after this package's, unless the user lists the bar first);
         # closing it (at the fit's end, and at each epoch's end with `leave=True`) disables it
         shown = bar._train_progress_bar
         return bar.is_enabled and shown is not None and not shown.disable
-    if isinstance(bar, RichProgressBar):
+    if isinstance(bar, names.RichProgressBar):
         return bar.is_enabled and bar.progress is not None and bar.progress.live.is_started
     return False
 
 
-def _set_total(bar: TQDMProgressBar | RichProgressBar, total: int) -> None:
-    if isinstance(bar, TQDMProgressBar):
+def _set_total(bar: Any, total: int) -> None:
+    if isinstance(bar, trainer_names(bar).TQDMProgressBar):
         if bar._train_progress_bar is not None:  # public `train_progress_bar` raises before the epoch starts
             bar.train_progress_bar.total = total
             bar.train_progress_bar.refresh()

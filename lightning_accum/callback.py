@@ -42,7 +42,7 @@ from lightning_accum.features import (
 from lightning_accum.monitor import split_summary
 from lightning_accum.precision import accumulation_dtype, scale_in_place
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
-from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationStrategy, updating_optimizer
+from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationMixin, updating_optimizer
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.window import Window
 
@@ -179,7 +179,7 @@ class AccumulationScheduler(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        check_trainer(trainer, pl_module, self)
+        check_trainer(trainer, pl_module, self, AccumulationScheduler)
         ctx = self._ctx
         bind(ctx, trainer, pl_module)
         if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
@@ -420,7 +420,7 @@ def estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
 
 def _drop_unreduced_gradients(trainer: pl.Trainer) -> None:
     """A window abandoned before its end: the strategy forgets what it kept for a reduction that will not come."""
-    if isinstance(trainer.strategy, (AccumulationStrategyMixin, DeepSpeedAccumulationStrategy)):
+    if isinstance(trainer.strategy, (AccumulationStrategyMixin, DeepSpeedAccumulationMixin)):
         trainer.strategy.drop_unreduced_gradients()
 
 
@@ -431,7 +431,7 @@ def _window_share(outputs: Any, ctx: Context) -> torch.Tensor | None:
 
 
 def _scale_gradients(trainer: pl.Trainer, optimizer: Any, scale: float | torch.Tensor) -> None:
-    if isinstance(trainer.strategy, DeepSpeedAccumulationStrategy):  # ZeRO holds the window's gradient, not `.grad`
+    if isinstance(trainer.strategy, DeepSpeedAccumulationMixin):  # ZeRO holds the window's gradient, not `.grad`
         # folded into ZeRO's loss-scale divisor, a host number: the one read of a scale kept on the device
         trainer.strategy.scale_window_gradients(optimizer, float(scale))
     else:

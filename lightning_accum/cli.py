@@ -179,7 +179,45 @@ def _name_flags(message: str) -> str:
     return re.sub(r"`(\w+)`", lambda match: f"`{_FLAGS.get(match.group(1), match.group(1))}`", message)
 
 
-class AccumulationArgumentParser(LightningArgumentParser):
+class FocusedErrors:
+    """Mixed in before a LightningCLI parser: a bad value named by its key and value, a constructor error in one line.
+
+    :class:`AccumulationArgumentParser` is this over ``lightning.pytorch``'s ``LightningArgumentParser``;
+    :class:`lightning_accum.pytorch_lightning.AccumulationArgumentParser` over ``pytorch_lightning``'s.
+    """
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        """Print the usage and the focused message (:func:`focus_config_error`), and exit with status 2."""
+        super().error(focus_config_error(message), ex)  # type: ignore[misc]
+        raise AssertionError("the parser's error() exits")  # pragma: no cover
+
+    def instantiate(self, namespace: Any, instantiate_groups: bool = True, *, instantiators: Any = None) -> Any:
+        """Instantiate the classes; a constructor error of lightning_accum's classes becomes an ``error()``."""
+        from lightning_accum.callback import AccumulationScheduler
+        from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+
+        failures: list[tuple[str, str]] = []
+
+        def construct(class_type: type, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return class_type(*args, **kwargs)
+            except (TypeError, ValueError) as failure:
+                failures.append((class_type.__qualname__, str(failure)))
+                raise
+
+        ours = [(construct, AccumulationScheduler, True), (construct, AccumulationStrategyMixin, True)]
+        try:
+            return super().instantiate(  # type: ignore[misc]
+                namespace, instantiate_groups, instantiators=[*(instantiators or []), *ours]
+            )
+        except (TypeError, ValueError) as error:
+            for name, failure in reversed(failures):
+                if failure in str(error):  # this failure, not one of an alternative that was then dropped
+                    self.error(f"{name}: {failure}", error)
+            raise
+
+
+class AccumulationArgumentParser(FocusedErrors, LightningArgumentParser):
     """LightningCLI's parser, with a bad configuration value named by its key and value in the error's last lines.
 
     jsonargparse reports a bad value inside a class given by ``class_path`` (a callback in ``trainer.callbacks``, a
@@ -198,34 +236,9 @@ class AccumulationArgumentParser(LightningArgumentParser):
         from lightning_accum.cli import AccumulationArgumentParser
 
         LightningCLI(MyModel, MyData, parser_class=AccumulationArgumentParser)
+
+    With ``pytorch_lightning``'s ``LightningCLI``, import it from :mod:`lightning_accum.pytorch_lightning`.
     """
-
-    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        """Print the usage and the focused message (:func:`focus_config_error`), and exit with status 2."""
-        super().error(focus_config_error(message), ex)
-
-    def instantiate(self, namespace: Any, instantiate_groups: bool = True, *, instantiators: Any = None) -> Any:
-        """Instantiate the classes; a constructor error of lightning_accum's classes becomes an ``error()``."""
-        from lightning_accum.callback import AccumulationScheduler
-        from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-
-        failures: list[tuple[str, str]] = []
-
-        def construct(class_type: type, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return class_type(*args, **kwargs)
-            except (TypeError, ValueError) as failure:
-                failures.append((class_type.__qualname__, str(failure)))
-                raise
-
-        ours = [(construct, AccumulationScheduler, True), (construct, AccumulationStrategyMixin, True)]
-        try:
-            return super().instantiate(namespace, instantiate_groups, instantiators=[*(instantiators or []), *ours])
-        except (TypeError, ValueError) as error:
-            for name, failure in reversed(failures):
-                if failure in str(error):  # this failure, not one of an alternative that was then dropped
-                    self.error(f"{name}: {failure}", error)
-            raise
 
 
 def focus_config_error(message: str) -> str:

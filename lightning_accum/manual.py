@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum._loop import ends_epoch
 from lightning_accum.schedule import Schedule, check_int
 from lightning_accum.strategies.deepspeed import zero_stage
@@ -138,7 +138,8 @@ class ManualAccumulation:
                 " `automatic_optimization = True`: set `self.automatic_optimization = False` in `__init__`, or drop"
                 " ManualAccumulation and add `AccumulationScheduler` to the Trainer's callbacks"
             )
-        if isinstance(trainer.strategy, DeepSpeedStrategy):
+        names = trainer_names(trainer)
+        if isinstance(trainer.strategy, names.DeepSpeedStrategy):
             raise ValueError(
                 f"ManualAccumulation is not supported under {type(trainer.strategy).__name__} (ZeRO stage"
                 f" {zero_stage(trainer.strategy)}): DeepSpeed keeps the window's gradient in its own partitions, where"
@@ -171,7 +172,7 @@ class ManualAccumulation:
         micro = MicroStep(size=window.size, index=window.size - 1 if window.closed else window.taken - 1)
         strategy = trainer.strategy
         self._warn_if_uncontrolled(strategy)
-        skip = not micro.should_step and isinstance(strategy, ParallelStrategy)
+        skip = not micro.should_step and isinstance(strategy, names.ParallelStrategy)
         self._active = True
         try:
             with strategy.block_backward_sync() if skip else nullcontext():  # type: ignore[attr-defined]
@@ -249,8 +250,9 @@ class ManualAccumulation:
         if self._warned:
             return
         self._warned = True
-        if isinstance(strategy, ModelParallelStrategy) and not isinstance(strategy, AccumulationStrategyMixin):
+        names = trainer_names(strategy)
+        if isinstance(strategy, names.ModelParallelStrategy) and not isinstance(strategy, AccumulationStrategyMixin):
             rank_zero_warn(
                 "ManualAccumulation: ModelParallelStrategy does not skip FSDP2's reduce-scatter on non-final"
-                " micro-steps; use lightning_accum.ModelParallelAccumulationStrategy to reduce once per window"
+                f" micro-steps; use {names.home}.ModelParallelAccumulationStrategy to reduce once per window"
             )

@@ -101,7 +101,7 @@ def loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
-def trainer(callbacks: Sequence[pl.Callback] = (), **kwargs: Any) -> pl.Trainer:
+def trainer(callbacks: Sequence[pl.Callback] = (), trainer_class: type = pl.Trainer, **kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
@@ -112,7 +112,7 @@ def trainer(callbacks: Sequence[pl.Callback] = (), **kwargs: Any) -> pl.Trainer:
         num_sanity_val_steps=0,
     )
     defaults.update(kwargs)
-    return pl.Trainer(callbacks=list(callbacks), **defaults)
+    return trainer_class(callbacks=list(callbacks), **defaults)
 
 
 def reference_snapshots(

@@ -90,6 +90,8 @@ def test_no_feature_reads_the_trainer_or_imports_its_internals():
                         name.split(".")[0] != "lightning_accum"
                         or name.startswith(("lightning_accum.events", "lightning_accum.features"))
                         or name in {f"lightning_accum.{pure}" for pure in PURE}
+                        # Lightning's names (a logger's class) for the namespace of the object in hand
+                        or name == "lightning_accum._lightning"
                     ), f"{path.name} imports {name}"
 
 
@@ -227,7 +229,8 @@ def test_every_test_the_compatibility_page_names_exists():
 
 # ------------------------------------------------------------------ the Fabric shell (lightning_accum/fabric/)
 
-FABRIC = {name for name in MODULES if name.startswith("lightning_accum.fabric")}
+# lightning_accum.lightning_fabric: the Fabric shell's names for the standalone lightning_fabric package
+FABRIC = {name for name in MODULES if name.startswith(("lightning_accum.fabric", "lightning_accum.lightning_fabric"))}
 # the Trainer's shell: what only the callback, its glue and the Trainer's strategies may import
 TRAINER_SHELL = (
     "lightning.pytorch",
@@ -243,7 +246,10 @@ TRAINER_SHELL = (
     "lightning_accum.manual",
     "lightning_accum.strategies",
     "lightning_accum.cli",
+    "lightning_accum.pytorch_lightning",
 )
+# what both shells share besides the pure modules, the events and the features: the namespace of the object in hand
+NAMESPACES = {"lightning_accum._lightning", "lightning_accum._versions"}
 
 
 def test_the_fabric_shell_stands_beside_the_callback_on_the_core_and_never_reaches_the_trainer():
@@ -251,6 +257,7 @@ def test_the_fabric_shell_stands_beside_the_callback_on_the_core_and_never_reach
     features, and nothing of the Trainer's shell (nor does anything in the package import the Fabric shell)."""
     assert {"lightning_accum.fabric", "lightning_accum.fabric.accumulator"} <= FABRIC
     shared = {f"lightning_accum.{pure}" for pure in PURE} | {"lightning_accum.events", "lightning_accum.features"}
+    shared |= NAMESPACES
     for name in FABRIC:
         for module in imports(MODULES[name]):
             assert not module.startswith(TRAINER_SHELL), f"{name} imports {module}"
@@ -326,3 +333,12 @@ def test_the_fabric_shell_dispatches_the_callbacks_events_in_the_callbacks_order
     accumulator.close()
     assert seen == through_trainer
     assert seen.count("WINDOW_CLOSED") == 3
+
+
+@pytest.mark.parametrize("name", sorted(NAMESPACES))
+def test_the_modules_that_pick_a_namespace_import_none_themselves(name):
+    """`_lightning` imports a namespace's names only when asked for them; `_versions` reads version strings."""
+    assert not any(
+        module.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
+        for module in imports(MODULES[name])
+    )

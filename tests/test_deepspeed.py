@@ -56,13 +56,13 @@ def _launch_all(tmp: Path, limit: int = 400) -> Path:
     return tmp
 
 
-def _start(steps: list[str], tmp: Path, limit: int) -> subprocess.Popen:
+def _start(steps: list[str], tmp: Path, limit: int, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPT), str(tmp), *steps],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=launch_environment(),
+        env=launch_environment() | (env or {}),
     )
 
 

@@ -94,7 +94,7 @@ def max_deviation(record: dict, windows: list[int], name: str = "") -> float:
     )
 
 
-def _launch(script: str, *args: str, out: Path, limit: int = 600) -> str:
+def _launch(script: str, *args: str, out: Path, limit: int = 600, env: dict[str, str] | None = None) -> str:
     # `timeout -s KILL` kills the whole process group (Lightning's launcher starts rank 1 as rank 0's child, and
     # swallows SIGTERM): a hang fails the test instead of holding the suite
     done = subprocess.run(
@@ -102,7 +102,7 @@ def _launch(script: str, *args: str, out: Path, limit: int = 600) -> str:
         capture_output=True,
         text=True,
         check=False,
-        env=launch_environment(),
+        env=launch_environment() | (env or {}),
     )
     output = done.stdout + done.stderr
     clues = [line for line in output.splitlines() if any(word in line for word in ("Error", "Traceback", "terminate"))]

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DeepSpeedStrategy
 
+from lightning_accum._lightning import fabric_names
 from lightning_accum.schedule import check_bool
 from lightning_accum.window import Window
 
@@ -47,7 +47,7 @@ def check_optimizer(fabric: Fabric, model: Any, optimizer: torch.optim.Optimizer
             "`optimizer` already has an Accumulator: two would each scale its learning rate and its gradients."
             " Call `close()` on the first one before creating another"
         )
-    if isinstance(fabric.strategy, DeepSpeedStrategy):
+    if isinstance(fabric.strategy, fabric_names(fabric).DeepSpeedStrategy):
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in held]

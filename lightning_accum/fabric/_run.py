@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
+from lightning_accum._lightning import fabric_names
 from lightning_accum.events import DataParallel, Run
 from lightning_accum.sync import fsdp2_modules
 from lightning_accum.zero import config_stage
@@ -95,14 +95,15 @@ class FabricRun(Run):
 
     @property
     def data_parallel(self) -> DataParallel:  # noqa: D102
+        names = fabric_names(self._fabric)
         return DataParallel(
             wrapper=wrapper_of(self._fabric, self._forward),
             strategy=type(self._fabric.strategy).__name__,
             gradient_sync=self._gradient_sync,
             static_graph=bool(getattr(self._forward, "static_graph", False)),
-            shards_parameters=isinstance(self._fabric.strategy, (FSDPStrategy, ModelParallelStrategy)),
+            shards_parameters=isinstance(self._fabric.strategy, (names.FSDPStrategy, names.ModelParallelStrategy)),
             zero_stage=config_stage(getattr(self._fabric.strategy, "config", None))
-            if isinstance(self._fabric.strategy, DeepSpeedStrategy)
+            if isinstance(self._fabric.strategy, names.DeepSpeedStrategy)
             else None,
         )
 
@@ -128,7 +129,7 @@ def wrapper_of(fabric: Fabric, forward_module: nn.Module) -> str:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(fabric.strategy, DeepSpeedStrategy):
+    if isinstance(fabric.strategy, fabric_names(fabric).DeepSpeedStrategy):
         return "deepspeed"
     if isinstance(forward_module, DistributedDataParallel):
         return "ddp"

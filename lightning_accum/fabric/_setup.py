@@ -12,19 +12,20 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
-from lightning.fabric.wrappers import is_wrapped
 
-from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationStrategy
+from lightning_accum._lightning import fabric_names, is_fabric
+from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
 from lightning_accum.zero import updating_optimizer
 
 
 def set_up_model(fabric: Fabric, model: Any) -> tuple[Any, torch.nn.Module]:
     """The ``_FabricModule`` and the module its strategy wrapped; refuse a model this Fabric did not set up."""
-    if not isinstance(fabric, Fabric):
-        raise TypeError(f"`fabric` must be a lightning.fabric.Fabric, got {type(fabric).__name__}")
+    if not is_fabric(fabric):
+        raise TypeError(
+            f"`fabric` must be a lightning.fabric.Fabric or a lightning_fabric.Fabric, got {type(fabric).__name__}"
+        )
     unwrapped = getattr(model, "_orig_mod", model)  # a model compiled after fabric.setup
-    if not is_wrapped(model) or getattr(unwrapped, "_strategy", None) is not fabric.strategy:
+    if not fabric_names(fabric).is_wrapped(model) or getattr(unwrapped, "_strategy", None) is not fabric.strategy:
         raise TypeError(
             f"`model` must be the module this Fabric set up (`model, optimizer = fabric.setup(model, optimizer)`),"
             f" got a {type(model).__name__} it did not set up"
@@ -34,22 +35,23 @@ def set_up_model(fabric: Fabric, model: Any) -> tuple[Any, torch.nn.Module]:
 
 def set_up_optimizer(fabric: Fabric, optimizer: Any) -> tuple[Any, torch.optim.Optimizer]:
     """``(what the strategy steps, the torch optimizer that updates the weights)``; refuse another Fabric's."""
-    if not is_wrapped(optimizer) or getattr(optimizer, "_strategy", None) is not fabric.strategy:
+    names = fabric_names(fabric)
+    if not names.is_wrapped(optimizer) or getattr(optimizer, "_strategy", None) is not fabric.strategy:
         raise TypeError(
             f"`optimizer` must be the optimizer this Fabric set up (`model, optimizer = fabric.setup(model,"
             f" optimizer)`), got a {type(optimizer).__name__} it did not set up"
         )
     wrapped = optimizer.optimizer
     strategy = fabric.strategy
-    if isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, names.DeepSpeedStrategy):
         engine = strategy.model
         managed, steps = engine.managed_gradient_accumulation(), engine.gradient_accumulation_steps()
-        if not isinstance(strategy, DeepSpeedAccumulationStrategy) or managed or steps != 1:
+        if not isinstance(strategy, DeepSpeedAccumulationMixin) or managed or steps != 1:
             raise ValueError(
                 f"The DeepSpeed engine of {type(strategy).__name__} accumulates by itself"
                 f" (managed_gradient_accumulation={managed}, gradient_accumulation_steps={steps}), so its steps"
                 " cannot follow the Accumulator's windows: create the Fabric with"
-                " strategy=lightning_accum.fabric.DeepSpeedAccumulationStrategy(...) (the same arguments)"
+                f" strategy={names.home}.DeepSpeedAccumulationStrategy(...) (the same arguments)"
             )
     return wrapped, updating_optimizer(wrapped)
 
@@ -57,7 +59,7 @@ def set_up_optimizer(fabric: Fabric, optimizer: Any) -> tuple[Any, torch.optim.O
 def data_parallel(fabric: Fabric) -> tuple[Any, int]:
     """The process group over which gradients and counts are reduced, and its size (tensor-parallel ranks apart)."""
     strategy = fabric.strategy
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, fabric_names(fabric).ModelParallelStrategy):
         mesh = strategy.device_mesh["data_parallel"]
         return mesh.get_group(), mesh.size()
     return None, fabric.world_size

@@ -25,14 +25,14 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DeepSpeedStrategy
 
+from lightning_accum._lightning import fabric_names
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.fabric._checks import check_open, check_optimizer, check_shift_labels, claim, early_step, release
 from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window
 from lightning_accum.fabric._run import FabricRun
 from lightning_accum.fabric._setup import data_parallel, loader_batch_size, set_up_model, set_up_optimizer
-from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationStrategy
+from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
 from lightning_accum.features import ItemWeighting, LRScaling, Metrics, TokenCount, WideAccumulation
 from lightning_accum.precision import accumulation_dtype, scale_in_place
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
@@ -84,7 +84,7 @@ class Accumulator:
     :class:`~lightning_accum.AccumulationScheduler`.
 
     Args:
-        fabric: The Fabric the loop runs under (launched).
+        fabric: The Fabric the loop runs under (launched): ``lightning.fabric``'s or ``lightning_fabric``'s.
         model: The model ``fabric.setup`` returned.
         optimizer: The optimizer ``fabric.setup`` returned (one).
         scheduling: ``{position: factor}``; factor 1 before the first key (throughout with no key and no target).
@@ -401,7 +401,9 @@ class Accumulator:
         self._end_micro_step(micro)
 
     def _sync(self, last: bool) -> AbstractContextManager:
-        if last or isinstance(self._fabric.strategy, DeepSpeedStrategy):  # DeepSpeed reduces as it accumulates
+        if last or isinstance(
+            self._fabric.strategy, fabric_names(self._fabric).DeepSpeedStrategy
+        ):  # DeepSpeed reduces as it accumulates
             return nullcontext()
         return skip_gradient_sync(self._forward, self._policy)
 
@@ -459,7 +461,7 @@ class Accumulator:
 
     def _scale_gradients(self, scale: float | torch.Tensor) -> None:
         strategy = self._fabric.strategy
-        if isinstance(strategy, DeepSpeedAccumulationStrategy):  # ZeRO holds the window's gradient, not `.grad`
+        if isinstance(strategy, DeepSpeedAccumulationMixin):  # ZeRO holds the window's gradient, not `.grad`
             strategy.scale_window_gradients(self._wrapped_optimizer, scale)
         else:
             groups = self._optimizer.param_groups
@@ -484,7 +486,7 @@ class Accumulator:
         self._ctx.window.discard()
         self._ended, self._ready = None, False
         self._optimizer.zero_grad(set_to_none=True)
-        if isinstance(self._fabric.strategy, DeepSpeedStrategy):
+        if isinstance(self._fabric.strategy, fabric_names(self._fabric).DeepSpeedStrategy):
             drop_window(self._wrapped_optimizer)
         else:
             drop_fsdp2_pending_gradients(self._forward)

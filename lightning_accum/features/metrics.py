@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 
 import torch
-from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
+from lightning_accum._lightning import is_tensorboard
 from lightning_accum.events import Context, Feature
 from lightning_accum.monitor import StepRecord, batch_summary, memory_metrics, step_metrics, tensorboard_layout
 
@@ -70,7 +70,7 @@ class Metrics(Feature):
     def _write_summary(self, ctx: Context, phrases: list[str]) -> None:
         text = "; ".join(phrases)
         for logger in ctx.run.loggers:
-            if isinstance(logger, TensorBoardLogger):
+            if is_tensorboard(logger):
                 logger.experiment.add_text("accum/summary", text, global_step=ctx.optimizer_steps)
         ctx.run.print(f"{ctx.run.owner}: {text}")
 
@@ -126,7 +126,7 @@ class Metrics(Feature):
         if layout != self._layout:
             self._layout = layout
             for logger in loggers:
-                if isinstance(logger, TensorBoardLogger):
+                if is_tensorboard(logger):
                     logger.experiment.add_custom_scalars(layout)
 
     def _window_loss(self, ctx: Context, loss: float | None, items: float) -> float | None:

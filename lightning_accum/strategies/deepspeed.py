@@ -25,10 +25,10 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.optim import Optimizer
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum.zero import (
     FoldedScale,
     config_stage,
@@ -38,51 +38,133 @@ from lightning_accum.zero import (
     updating_optimizer,
 )
 
-__all__ = ["DeepSpeedAccumulationStrategy", "updating_optimizer", "zero_stage"]
+__all__ = ["DeepSpeedAccumulationMixin", "DeepSpeedAccumulationStrategy", "updating_optimizer", "zero_stage"]
 
 
-class _DeepSpeedOnCPU(DeepSpeedStrategy):
-    """Lightning's ``DeepSpeedStrategy`` without its three refusals of CPU (DeepSpeed runs there with gloo, for tests).
+class _DeepSpeedOnCPU:
+    """Lightning's ``DeepSpeedStrategy`` (mixed in before it) without its three refusals of CPU, for tests.
 
     Lightning checks for a CUDA accelerator in ``setup_environment`` and for CUDA device indices in
     ``setup_distributed``, and passes ``root_device.index`` (None on CPU) as DeepSpeed's ``device_rank``; on CUDA
-    nothing changes.
+    nothing changes. DeepSpeed runs on CPU with gloo. Lightning's names come from the strategy's own namespace.
     """
 
     def setup_environment(self) -> None:
         """Lightning's set-up, without its refusal of CPU (DeepSpeed runs on CPU with gloo, for testing)."""
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_environment()
+        strategy: Any = self
+        names = trainer_names(self)
+        if isinstance(strategy.accelerator, names.CUDAAccelerator):
+            super().setup_environment()  # type: ignore[misc]
         else:
-            DDPStrategy.setup_environment(self)
+            names.DDPStrategy.setup_environment(strategy)
 
     def setup_distributed(self) -> None:
         """Lightning's set-up; on CPU without its check that devices are CUDA indices."""
-        if isinstance(self.accelerator, CUDAAccelerator):
-            super().setup_distributed()
+        strategy: Any = self
+        names = trainer_names(self)
+        if isinstance(strategy.accelerator, names.CUDAAccelerator):
+            super().setup_distributed()  # type: ignore[misc]
             return
-        from lightning.fabric.utilities.seed import reset_seed
-
-        reset_seed()
-        self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        names.reset_seed()
+        strategy.set_world_ranks()
+        strategy._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(
         self, model: torch.nn.Module, optimizer: Optimizer | None, lr_scheduler: Any = None
     ) -> tuple[Any, Any]:
         with self._device_rank():
-            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+            return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)  # type: ignore[misc]
 
     def _initialize_deepspeed_inference(self, model: torch.nn.Module) -> None:
         with self._device_rank():
-            super()._initialize_deepspeed_inference(model)
+            super()._initialize_deepspeed_inference(model)  # type: ignore[misc]
 
     def _device_rank(self) -> AbstractContextManager:
         """On CPU, give ``deepspeed.initialize`` the local rank where Lightning passes ``root_device.index`` (None)."""
-        return initialize_on_rank(self.local_rank if self.root_device.index is None else None)
+        strategy: Any = self
+        return initialize_on_rank(strategy.local_rank if strategy.root_device.index is None else None)
 
 
-class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
+class DeepSpeedAccumulationMixin(_DeepSpeedOnCPU):
+    """What :class:`DeepSpeedAccumulationStrategy` adds to a Lightning ``DeepSpeedStrategy``, for either namespace.
+
+    Mixed in before ``lightning.pytorch``'s ``DeepSpeedStrategy`` it is :class:`DeepSpeedAccumulationStrategy`;
+    before ``pytorch_lightning``'s, :class:`lightning_accum.pytorch_lightning.DeepSpeedAccumulationStrategy`.
+    """
+
+    _scale: FoldedScale  # the window's scale, for the step in progress
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        strategy: Any = self
+        strategy.config = unmanaged_config(  # Lightning keeps the user's dict, and changes it: a copy
+            strategy.config,
+            overlap_asked="config" in kwargs or bool(kwargs.get("overlap_comm")),
+            owner="with DeepSpeedAccumulationStrategy the AccumulationScheduler",
+            arguments="AccumulationScheduler",
+        )
+        self._scale = FoldedScale()  # the window's scale, for the step in progress
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        """``False``: Lightning's loop (and so the ``AccumulationScheduler``) decides where windows end."""
+        return False
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage of the DeepSpeed config (0 without ``zero_optimization``)."""
+        strategy: Any = self
+        return zero_stage(strategy)
+
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        super()._format_batch_size_and_grad_accum_config()  # type: ignore[misc]  # one step per step()
+        strategy: Any = self
+        assert strategy.config is not None, "__init__ set it"
+        strategy.config["gradient_accumulation_steps"] = 1
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: unmanaged accumulation reduces in ``step()`` (stages 0-1) or per backward (stages 2-3).
+
+        Lightning's own version enters ``DeepSpeedEngine.no_sync()``, which ZeRO stages 2 and 3 refuse.
+        """
+        yield
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Backpropagate through DeepSpeed, which accumulates without dividing (the loop divided the loss once)."""
+        return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)  # type: ignore[misc]
+
+    def scale_window_gradients(self, optimizer: Any, scale: float) -> None:
+        """Multiply the window's gradient by ``scale`` in the optimizer step about to run, before DeepSpeed clips it.
+
+        ZeRO's optimizers divide the gradient by their loss scale just before clipping and the update, so the scale
+        is folded into that divisor for this step only (and any change DeepSpeed's dynamic scaler makes is kept).
+        Without ZeRO, the local gradients are scaled before DeepSpeed all-reduces them.
+
+        Raises:
+            ValueError: If the optimizer's loss scale is one DeepSpeed does not let the caller set.
+        """
+        module = getattr(self, "lightning_module", None)
+        assert module is not None, "set up before the first step"
+        self._scale.fold(optimizer, scale, module.parameters())
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """DeepSpeed's step, with the optimizer's loss scale given back after it."""
+        with self._scale.step():
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+
+    def drop_unreduced_gradients(self) -> None:
+        """Forget the gradient of a window abandoned before its end (an epoch cut short, a fit that raised).
+
+        Under ZeRO stage 2 DeepSpeed keeps each backward's reduced gradient in its partitions until ``step()``, and
+        ``zero_grad`` does not reach them: they are dropped as DeepSpeed drops them itself after an overflow.
+        """
+        optimizers = getattr(self, "optimizers", None)
+        if optimizers:
+            drop_window(optimizers[0])
+
+
+class DeepSpeedAccumulationStrategy(DeepSpeedAccumulationMixin, DeepSpeedStrategy):
     """``DeepSpeedStrategy`` whose optimizer steps fall where the ``AccumulationScheduler``'s windows end.
 
     Takes every argument of Lightning's ``DeepSpeedStrategy`` (``stage``, ``config``, offloading, ...). The callback
@@ -108,70 +190,6 @@ class DeepSpeedAccumulationStrategy(_DeepSpeedOnCPU):
             class_path: lightning_accum.DeepSpeedAccumulationStrategy
             init_args: {stage: 3, offload_optimizer: true}
     """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.config = unmanaged_config(  # Lightning keeps the user's dict, and changes it: a copy
-            self.config,
-            overlap_asked="config" in kwargs or bool(kwargs.get("overlap_comm")),
-            owner="with DeepSpeedAccumulationStrategy the AccumulationScheduler",
-            arguments="AccumulationScheduler",
-        )
-        self._scale = FoldedScale()  # the window's scale, for the step in progress
-
-    @property
-    def handles_gradient_accumulation(self) -> bool:
-        """``False``: Lightning's loop (and so the ``AccumulationScheduler``) decides where windows end."""
-        return False
-
-    @property
-    def zero_stage(self) -> int:
-        """The ZeRO stage of the DeepSpeed config (0 without ``zero_optimization``)."""
-        return zero_stage(self)
-
-    def _format_batch_size_and_grad_accum_config(self) -> None:
-        super()._format_batch_size_and_grad_accum_config()  # sets the steps from the Trainer: one step per step()
-        assert self.config is not None, "__init__ set it"
-        self.config["gradient_accumulation_steps"] = 1
-
-    @contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Nothing to block: unmanaged accumulation reduces in ``step()`` (stages 0-1) or per backward (stages 2-3).
-
-        Lightning's own version enters ``DeepSpeedEngine.no_sync()``, which ZeRO stages 2 and 3 refuse.
-        """
-        yield
-
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Backpropagate through DeepSpeed, which accumulates without dividing (the loop divided the loss once)."""
-        return super().backward(closure_loss, optimizer, *args, scale_wrt_gas=False, **kwargs)
-
-    def scale_window_gradients(self, optimizer: Any, scale: float) -> None:
-        """Multiply the window's gradient by ``scale`` in the optimizer step about to run, before DeepSpeed clips it.
-
-        ZeRO's optimizers divide the gradient by their loss scale just before clipping and the update, so the scale
-        is folded into that divisor for this step only (and any change DeepSpeed's dynamic scaler makes is kept).
-        Without ZeRO, the local gradients are scaled before DeepSpeed all-reduces them.
-
-        Raises:
-            ValueError: If the optimizer's loss scale is one DeepSpeed does not let the caller set.
-        """
-        assert self.lightning_module is not None, "set up before the first step"
-        self._scale.fold(optimizer, scale, self.lightning_module.parameters())
-
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        """DeepSpeed's step, with the optimizer's loss scale given back after it."""
-        with self._scale.step():
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    def drop_unreduced_gradients(self) -> None:
-        """Forget the gradient of a window abandoned before its end (an epoch cut short, a fit that raised).
-
-        Under ZeRO stage 2 DeepSpeed keeps each backward's reduced gradient in its partitions until ``step()``, and
-        ``zero_grad`` does not reach them: they are dropped as DeepSpeed drops them itself after an overflow.
-        """
-        if self.optimizers:
-            drop_window(self.optimizers[0])
 
 
 def zero_stage(strategy: DeepSpeedStrategy) -> int:

@@ -19,12 +19,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_accum._lightning import trainer_names
 from lightning_accum.sync import (
     CheckCollectives,
     FSDP2CollectiveGuard,
@@ -44,7 +43,9 @@ class AccumulationStrategyMixin:
 
     Mix it in *before* a Lightning data-parallel strategy; every argument of that strategy passes through, and the
     mixin adds ``gradient_sync``. Ready-made: :class:`DDPAccumulationStrategy`, :class:`FSDPAccumulationStrategy`,
-    :class:`ModelParallelAccumulationStrategy`.
+    :class:`ModelParallelAccumulationStrategy` (over ``lightning.pytorch``'s strategies; the same names in
+    :mod:`lightning_accum.pytorch_lightning` are over ``pytorch_lightning``'s). The mixin itself serves both: it
+    takes Lightning's names from the strategy it is mixed into.
 
     What happens on a non-final micro-step:
 
@@ -127,7 +128,7 @@ class AccumulationStrategyMixin:
         self._guard = None
         self._guard_windows_left = None
         super().__init__(*args, **kwargs)
-        if not isinstance(self, ParallelStrategy):
+        if not isinstance(self, trainer_names(self).ParallelStrategy):
             raise TypeError(
                 f"AccumulationStrategyMixin controls data-parallel gradient communication, so it must be combined with"
                 f" a Lightning ParallelStrategy (DDPStrategy, FSDPStrategy, ModelParallelStrategy, ...);"
@@ -220,7 +221,8 @@ class AccumulationStrategyMixin:
         if self._checked_windows != 0 and trainer.world_size > 1 and fsdp2_modules(strategy.model):
             self._guard = FSDP2CollectiveGuard(strategy.model)
             self._guard_windows_left = self._checked_windows
-        fitting = trainer.state.fn == TrainerFn.FITTING  # Lightning wraps the model in DDP only to fit
+        # Lightning wraps the model in DDP only to fit
+        fitting = trainer.state.fn == trainer_names(trainer).TrainerFn.FITTING
         if fitting and trainer.world_size > 1 and not can_control(strategy.model):
             rank_zero_warn(
                 f"{type(self).__name__}: the model is neither wrapped in DDP/FSDP nor has `fully_shard` applied"

@@ -2,7 +2,7 @@
 
     python tests/scripts/deepspeed_ranks.py OUT_DIR COMMAND:STAGE ...   # each in turn, in the same two processes
 
-    runs:S     the configurations of CONFIGS (and STAGE_2) under ZeRO stage S
+    runs:S     the configurations of CONFIGS (and STAGE_2) under ZeRO stage S (runs:S:NAME: that one only)
     killed:S   the same, then checkpoints and SIGKILL mid-window (so it comes last)
     resume:S   resume from each checkpoint the killed run of stage S wrote
 
@@ -23,18 +23,27 @@ from pathlib import Path
 from typing import Any
 
 import deepspeed.ops
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_ranks import NUM_SAMPLES, Regression, make_data  # noqa: E402
 
-from lightning_accum import AccumulationScheduler, DeepSpeedAccumulationStrategy, ManualAccumulation  # noqa: E402
+from lightning_accum import AccumulationScheduler, ManualAccumulation  # noqa: E402
 from lightning_accum.strategies.deepspeed import _DeepSpeedOnCPU  # noqa: E402
 from tests.helpers import DictDataset, ResumableLoader, make_tokens  # noqa: E402
+
+if os.environ.get("LIGHTNING_NAMESPACE") == "pytorch_lightning":  # as a user of the standalone package writes it
+    import pytorch_lightning as pl
+    from pytorch_lightning.loggers import CSVLogger
+
+    from lightning_accum.pytorch_lightning import DeepSpeedAccumulationStrategy
+else:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_accum import DeepSpeedAccumulationStrategy
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # plain gloo, no C++ build
 
@@ -42,7 +51,7 @@ MID_WINDOW = (1, 4)  # (epoch, batch) inside a window of factor 3 (windows start
 BOUNDARY_STEP = 4  # a checkpoint written as this optimizer step ends
 
 
-class StockOnCPU(_DeepSpeedOnCPU):
+class StockOnCPU(_DeepSpeedOnCPU, pl.strategies.DeepSpeedStrategy):
     """Lightning's own DeepSpeedStrategy, with only its three refusals of CPU lifted (to show its double division)."""
 
 
@@ -116,6 +125,7 @@ def fit(stage: int, name: str, out: Path, ckpt_path: str | None = None, **option
         "micro_steps": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
         "ds_global_steps": getattr(engine, "global_steps", None),
         "ds_global_samples": getattr(engine, "global_samples", None),
+        "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
     }
     if "raised" not in record:
         record["weights"] = full_weights(model.net)  # a collective under ZeRO-3: every rank takes part
@@ -151,16 +161,18 @@ STAGE_2 = {
 def main() -> None:
     root = Path(sys.argv[1])
     for step in sys.argv[2:]:
-        command, stage = step.split(":")
-        run(command, int(stage), root / f"zero{stage}")
+        command, stage, *only = step.split(":")
+        run(command, int(stage), root / f"zero{stage}", only)
     os._exit(0)  # torch 2.13's gloo may abort a worker at interpreter exit, after the records are written
 
 
-def run(command: str, stage: int, out: Path) -> None:
+def run(command: str, stage: int, out: Path, only: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if command in ("runs", "killed"):
         configs = CONFIGS | (STAGE_2 if stage == 2 else {})
         for name, options in configs.items():
+            if only and name not in only:
+                continue
             kept = [Checkpoints(out / name, kill=False)] if name == "lr_sqrt" else []  # the LR DeepSpeed saves
             fit(stage, name, out, callbacks=kept, **json.loads(json.dumps(options), object_hook=_int_keys))
     if command == "killed":  # the uninterrupted run, then the same run killed in a window after two checkpoints

@@ -20,15 +20,29 @@ from typing import Any
 
 import deepspeed.ops
 import torch
-from lightning.fabric import Fabric
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fabric_common import LR, TinyLM, mean_loss  # noqa: E402
 from fabric_ranks import rank_data  # noqa: E402
 
-from lightning_accum.fabric import Accumulator, DeepSpeedAccumulationStrategy  # noqa: E402
 from lightning_accum.fabric.deepspeed import _DeepSpeedOnCPU  # noqa: E402
+
+if os.environ.get("LIGHTNING_NAMESPACE") == "lightning_fabric":  # as a user of the standalone package writes it
+    from lightning_fabric import Fabric
+    from lightning_fabric.strategies import DeepSpeedStrategy
+
+    from lightning_accum.lightning_fabric import Accumulator, DeepSpeedAccumulationStrategy
+else:
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import DeepSpeedStrategy
+
+    from lightning_accum.fabric import Accumulator, DeepSpeedAccumulationStrategy
+
+
+class StockOnCPU(_DeepSpeedOnCPU, DeepSpeedStrategy):
+    """Fabric's own DeepSpeedStrategy, with only its refusals of CPU lifted."""
+
 
 deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # plain gloo, no C++ build
 
@@ -62,6 +76,7 @@ def run(out: Path, name: str, strategy: Any) -> None:
     except ValueError as error:
         record["raised"] = str(error)
     record["global_steps"] = fabric.strategy.model.global_steps
+    record["classes"] = [f"{type(obj).__module__}.{type(obj).__name__}" for obj in (fabric, fabric.strategy)]
     record["weights"] = full_weights(model)
     (out / f"{name}.rank{fabric.global_rank}.json").write_text(json.dumps(record))
 
@@ -70,7 +85,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     run(out, "zero2_token_k3", DeepSpeedAccumulationStrategy(stage=2))
-    run(out, "stock_refused", _DeepSpeedOnCPU(stage=2))
+    run(out, "stock_refused", StockOnCPU(stage=2))
     torch.distributed.barrier()  # every rank has written its records
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,6 +1,7 @@
 """A LightningCLI with a tiny model, using lightning_accum's parser, for the error-message tests.
 
     python tests/scripts/tiny_cli.py fit --config CONFIG.yaml
+    LIGHTNING_NAMESPACE=pytorch_lightning python tests/scripts/tiny_cli.py fit --config CONFIG.yaml
 
 A correct configuration trains a 4 -> 1 linear model on 64 random samples in about a second (with
 ``--trainer.fast_dev_run=true``). A wrong value is rejected while the arguments are parsed (or, for a combination no
@@ -11,17 +12,26 @@ process for more cases).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_accum.cli import AccumulationArgumentParser  # noqa: E402
+
+if os.environ.get("LIGHTNING_NAMESPACE") == "pytorch_lightning":  # as a user of the standalone package writes it
+    import pytorch_lightning as pl
+    from pytorch_lightning.cli import LightningCLI
+
+    from lightning_accum.pytorch_lightning import AccumulationArgumentParser
+else:
+    import lightning.pytorch as pl
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_accum.cli import AccumulationArgumentParser
 
 
 class TinyModel(pl.LightningModule):

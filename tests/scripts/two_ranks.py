@@ -3,6 +3,11 @@
     python tests/scripts/two_ranks.py ddp,fsdp2 OUT_DIR     # DDP's configurations, then FSDP2's
     python tests/scripts/two_ranks.py fsdp1 OUT_DIR         # needs 2 CUDA devices (Lightning's FSDPStrategy)
     python tests/scripts/two_ranks.py ddp disagree OUT_DIR  # only the configurations whose names start so
+    LIGHTNING_NAMESPACE=pytorch_lightning python tests/scripts/two_ranks.py ddp,fsdp2 last_k3 OUT_DIR
+
+With ``LIGHTNING_NAMESPACE=pytorch_lightning`` the script is written as a user of the standalone package writes it:
+``import pytorch_lightning as pl``, its strategies, and lightning_accum's from ``lightning_accum.pytorch_lightning``
+(the callback and ``ManualAccumulation`` imported from ``lightning_accum`` as always).
 
 Lightning launches the second process itself (devices=2). One launch runs several configurations one after another,
 each with a fresh Trainer and model, for each backend named (a process costs seconds of imports): stock Lightning,
@@ -21,21 +26,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_accum import (  # noqa: E402
-    AccumulationScheduler,
-    DDPAccumulationStrategy,
-    FSDPAccumulationStrategy,
-    ManualAccumulation,
-    ModelParallelAccumulationStrategy,
-)
+from lightning_accum import AccumulationScheduler, ManualAccumulation  # noqa: E402
+
+if os.environ.get("LIGHTNING_NAMESPACE") == "pytorch_lightning":
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lightning_accum.pytorch_lightning import (
+        DDPAccumulationStrategy,
+        FSDPAccumulationStrategy,
+        ModelParallelAccumulationStrategy,
+    )
+else:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lightning_accum import DDPAccumulationStrategy, FSDPAccumulationStrategy, ModelParallelAccumulationStrategy
 from tests.helpers import DictDataset, make_tokens, token_loss  # noqa: E402
 
 NUM_SAMPLES, MICRO_BATCH, LR = 64, 4, 0.1  # 2 ranks x 4 = 8 samples per micro-step, 8 micro-steps per epoch
@@ -276,6 +288,8 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         "optimizer_steps": trainer.global_step,
         "micro_steps": trainer.fit_loop.epoch_loop.total_batch_idx + 1,
         "world_size": trainer.world_size,
+        "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",
+        "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
     }
     scheduler = next((c for c in trainer.callbacks if isinstance(c, AccumulationScheduler)), None)
     features = scheduler.features if scheduler is not None else {}
