@@ -6,6 +6,7 @@ waiting in a collective. Lightning glue: reads the Trainer, the strategy and the
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,7 +14,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_accum._lightning import trainer_names
+from lightning_accum._lightning import TRAINER_PACKAGES, trainer_names
 from lightning_accum._position import count_steps
 from lightning_accum.events import takes_dataloader_iter
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
@@ -60,9 +61,11 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
             "AccumulationScheduler drives automatic optimization; with `automatic_optimization = False` call"
             " `manual_backward` and `optimizer.step()` yourself at the window boundaries"
         )
-    ours = kind or type(callback)
+    # Lightning's own accumulation callback, of each namespace loaded (one not imported cannot be attached)
+    loaded = (sys.modules.get(f"{package}.callbacks") for package in TRAINER_PACKAGES)
+    stock = tuple(module.GradientAccumulationScheduler for module in loaded if module is not None)
     for other in trainer.callbacks:  # type: ignore[attr-defined]
-        if other is not callback and isinstance(other, (ours, names.GradientAccumulationScheduler)):
+        if other is not callback and isinstance(other, (kind or type(callback), *stock)):
             raise ValueError(
                 f"Only one accumulation callback may be attached: found {type(other).__name__} beside this"
                 " AccumulationScheduler"

@@ -30,6 +30,7 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
+from lightning_accum._lightning import TRAINER_PACKAGES, trainer_package
 from lightning_accum.monitor import peak_resident_bytes, resident_bytes
 from lightning_accum.plan import Plan, plan, plan_table
 
@@ -187,8 +188,13 @@ class FocusedErrors:
     """
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        """Print the usage and the focused message (:func:`focus_config_error`), and exit with status 2."""
-        super().error(focus_config_error(message), ex)  # type: ignore[misc]
+        """Print the usage and the focused message (:func:`focus_config_error`), and exit with status 2.
+
+        A class of lightning_accum's other namespace (``lightning_accum.AccumulationScheduler`` given to
+        ``pytorch_lightning``'s LightningCLI) is named with the class this parser's namespace takes.
+        """
+        hint = namespace_hint(message, trainer_package(self) or TRAINER_PACKAGES[0])
+        super().error(focus_config_error(message) + hint, ex)  # type: ignore[misc]
         raise AssertionError("the parser's error() exits")  # pragma: no cover
 
     def instantiate(self, namespace: Any, instantiate_groups: bool = True, *, instantiators: Any = None) -> Any:
@@ -239,6 +245,29 @@ class AccumulationArgumentParser(FocusedErrors, LightningArgumentParser):
 
     With ``pytorch_lightning``'s ``LightningCLI``, import it from :mod:`lightning_accum.pytorch_lightning`.
     """
+
+
+_IMPORT_PATH = re.compile(r"Import path (lightning_accum(?:\.pytorch_lightning)?)\.(\w+) does not correspond")
+
+
+def namespace_hint(message: str, package: str) -> str:
+    """A last line for a jsonargparse ``message`` that refused a class of lightning_accum's other Lightning namespace.
+
+    Args:
+        message: The parse error.
+        package: The namespace of the LightningCLI: ``"lightning.pytorch"`` or ``"pytorch_lightning"``.
+
+    Example::
+
+        refused = "Import path lightning_accum.AccumulationScheduler does not correspond to a subclass of Callback"
+        namespace_hint(refused, "pytorch_lightning")
+        # a new line: "  pytorch_lightning's LightningCLI takes lightning_accum.pytorch_lightning.AccumulationScheduler"
+    """
+    ours = "lightning_accum.pytorch_lightning" if package == "pytorch_lightning" else "lightning_accum"
+    for module, name in _IMPORT_PATH.findall(message):
+        if module != ours:
+            return f"\n  {package}'s LightningCLI takes {ours}.{name}"
+    return ""
 
 
 def focus_config_error(message: str) -> str:

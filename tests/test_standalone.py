@@ -150,6 +150,14 @@ def test_messages_go_through_the_rank_zero_logger_of_the_trainers_own_namespace(
         assert [r.name for r in caplog.records if r.message == summary] == [f"{logger}.utilities.rank_zero"]
 
 
+@pytest.mark.parametrize("namespace", [pl, lightning.pytorch])
+def test_lightnings_accumulation_callback_of_either_namespace_is_refused_beside_ours(namespace):
+    x, y = make_data(16)
+    callbacks = [AccumulationScheduler({0: 2}), namespace.callbacks.GradientAccumulationScheduler({0: 2})]
+    with pytest.raises(ValueError, match="Only one accumulation callback may be attached: found GradientAccumulation"):
+        standalone_trainer(callbacks, max_epochs=1).fit(Regression(), loader(x, y, 4))
+
+
 def test_errors_name_the_class_a_pytorch_lightning_user_imports():
     pytest.importorskip("deepspeed")
     from lightning_accum._checks import check_trainer
@@ -325,6 +333,13 @@ def test_pytorch_lightnings_cli_trains_from_yaml_with_the_twins(tmp_path):
     done = _cli(tmp_path, {"scheduling": {0: 4}}, strategy)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "micro 4 x factor 4 x world 1 = 16 samples" in done.stdout + done.stderr
+
+
+def test_pytorch_lightnings_cli_names_the_class_it_takes_for_one_of_the_lightning_namespace(tmp_path):
+    done = _cli(tmp_path, {"scheduling": {0: 2}}, {"class_path": "lightning_accum.DDPAccumulationStrategy"})
+    assert done.returncode == 2
+    hint = "pytorch_lightning's LightningCLI takes lightning_accum.pytorch_lightning.DDPAccumulationStrategy"
+    assert done.stderr.strip().splitlines()[-1].strip() == hint, done.stderr[-3000:]
 
 
 def test_pytorch_lightnings_cli_names_a_bad_value_by_its_key(tmp_path):

@@ -100,7 +100,7 @@ class DeepSpeedAccumulationMixin(_DeepSpeedOnCPU):
         strategy.config = unmanaged_config(  # Lightning keeps the user's dict, and changes it: a copy
             strategy.config,
             overlap_asked="config" in kwargs or bool(kwargs.get("overlap_comm")),
-            owner="with DeepSpeedAccumulationStrategy the AccumulationScheduler",
+            owner=f"with {trainer_names(self).home}.DeepSpeedAccumulationStrategy the AccumulationScheduler",
             arguments="AccumulationScheduler",
         )
         self._scale = FoldedScale()  # the window's scale, for the step in progress
