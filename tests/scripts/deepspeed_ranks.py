@@ -15,6 +15,7 @@ is switched off before it is built (it needs g++ and 90 s), so collectives run o
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -30,7 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from two_ranks import NUM_SAMPLES, Regression, make_data  # noqa: E402
 
-from lightning_accum import AccumulationScheduler, ManualAccumulation  # noqa: E402
+from lightning_accum import ManualAccumulation  # noqa: E402
+
+# the callback from the module LIGHTNING_ACCUM_CALLBACK names: lightning_accum (as imported today) by default, or
+# lightning_accum.pytorch_lightning (what pytorch_lightning before 2.6 needs: it checks callbacks against its Callback)
+AccumulationScheduler = importlib.import_module(
+    os.environ.get("LIGHTNING_ACCUM_CALLBACK", "lightning_accum")
+).AccumulationScheduler
 from lightning_accum.strategies.deepspeed import _DeepSpeedOnCPU  # noqa: E402
 from tests.helpers import DictDataset, ResumableLoader, make_tokens  # noqa: E402
 
@@ -126,6 +133,7 @@ def fit(stage: int, name: str, out: Path, ckpt_path: str | None = None, **option
         "ds_global_steps": getattr(engine, "global_steps", None),
         "ds_global_samples": getattr(engine, "global_samples", None),
         "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
+        "callback_classes": [f"{type(c).__module__}.{type(c).__name__}" for c in callbacks],
     }
     if "raised" not in record:
         record["weights"] = full_weights(model.net)  # a collective under ZeRO-3: every rank takes part

@@ -20,6 +20,7 @@ torch.profiler), the optimizer steps, the micro-steps, and (rank 0) the final fu
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import os
 import sys
@@ -32,7 +33,13 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from lightning_accum import AccumulationScheduler, ManualAccumulation  # noqa: E402
+from lightning_accum import ManualAccumulation  # noqa: E402
+
+# the callback from the module LIGHTNING_ACCUM_CALLBACK names: lightning_accum (as imported today) by default, or
+# lightning_accum.pytorch_lightning (what pytorch_lightning before 2.6 needs: it checks callbacks against its Callback)
+AccumulationScheduler = importlib.import_module(
+    os.environ.get("LIGHTNING_ACCUM_CALLBACK", "lightning_accum")
+).AccumulationScheduler
 
 if os.environ.get("LIGHTNING_NAMESPACE") == "pytorch_lightning":
     import pytorch_lightning as pl
@@ -290,6 +297,7 @@ def run(backend: str, name: str, mode: str, out: Path, **options: Any) -> None:
         "world_size": trainer.world_size,
         "trainer_class": f"{type(trainer).__module__}.{type(trainer).__name__}",
         "strategy_class": f"{type(trainer.strategy).__module__}.{type(trainer.strategy).__name__}",
+        "callback_classes": [f"{type(c).__module__}.{type(c).__name__}" for c in callbacks],
     }
     scheduler = next((c for c in trainer.callbacks if isinstance(c, AccumulationScheduler)), None)
     features = scheduler.features if scheduler is not None else {}
