@@ -27,6 +27,8 @@ import logging
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from lightning_utilities.core.rank_zero import rank_zero_only
+
 from lightning_accum._versions import check_lightning
 
 if TYPE_CHECKING:
@@ -41,8 +43,6 @@ FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
 
 # name -> the submodule of the package that defines it
 _TRAINER_NAMES = {
-    "Callback": "callbacks",
-    "GradientAccumulationScheduler": "callbacks",
     "LearningRateFinder": "callbacks",
     "RichProgressBar": "callbacks",
     "TQDMProgressBar": "callbacks",
@@ -52,7 +52,6 @@ _TRAINER_NAMES = {
     "FSDPStrategy": "strategies",
     "ModelParallelStrategy": "strategies",
     "ParallelStrategy": "strategies",
-    "Strategy": "strategies",
     "TrainerFn": "trainer.states",
     "is_overridden": "utilities.model_helpers",
 }
@@ -102,8 +101,6 @@ class TrainerNames(_Names):
     _PACKAGES = TRAINER_PACKAGES
 
     fabric_package: str
-    Callback: type[pl.Callback]
-    GradientAccumulationScheduler: type[pl.callbacks.GradientAccumulationScheduler]
     LearningRateFinder: type[pl.callbacks.LearningRateFinder]
     RichProgressBar: type[pl.callbacks.RichProgressBar]
     TQDMProgressBar: type[pl.callbacks.TQDMProgressBar]
@@ -113,7 +110,6 @@ class TrainerNames(_Names):
     FSDPStrategy: type[pl.strategies.FSDPStrategy]
     ModelParallelStrategy: type[pl.strategies.ModelParallelStrategy]
     ParallelStrategy: type[pl.strategies.ParallelStrategy]
-    Strategy: type[pl.strategies.Strategy]
     TrainerFn: type[TrainerFn]
     is_overridden: Callable[..., bool]
     reset_seed: Callable[[], None]  # from the Fabric package of the same namespace
@@ -125,8 +121,6 @@ class TrainerNames(_Names):
 
     def rank_zero_info(self, text: str) -> None:
         """Log ``text`` at INFO on rank zero, as Lightning's ``rank_zero_info``, through this namespace's logger."""
-        from lightning_utilities.core.rank_zero import rank_zero_only
-
         if getattr(rank_zero_only, "rank", 0) == 0:
             logging.getLogger(f"{self.package}.utilities.rank_zero").info(text, stacklevel=2)
 
