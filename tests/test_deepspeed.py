@@ -223,8 +223,8 @@ def test_a_config_that_sets_the_accumulation_is_refused_and_left_unchanged(confi
     with pytest.raises(ValueError, match="DeepSpeed config sets") as raised:
         DeepSpeedAccumulationStrategy(config=given)
     assert str(raised.value) == (
-        f"The DeepSpeed config sets {key!r} ({config[key]!r}), but with DeepSpeedAccumulationStrategy the"
-        " AccumulationScheduler owns accumulation: remove it, and give the factor as"
+        f"The DeepSpeed config sets {key!r} ({config[key]!r}), but with lightning_accum.DeepSpeedAccumulationStrategy"
+        " the AccumulationScheduler owns accumulation: remove it, and give the factor as"
         " AccumulationScheduler(scheduling=...) or the global batch as target_batch_size=..."
     )
     assert given == kept

@@ -180,6 +180,12 @@ def test_errors_name_the_class_a_pytorch_lightning_user_imports():
         check_trainer(trainer, Regression(), scheduler)
 
 
+def test_the_trainers_deepspeed_twin_names_itself_when_it_refuses_a_config():
+    pytest.importorskip("deepspeed")
+    with pytest.raises(ValueError, match=rf"but with {HOME}\.DeepSpeedAccumulationStrategy the AccumulationScheduler"):
+        lightning_accum.pytorch_lightning.DeepSpeedAccumulationStrategy(config={"train_batch_size": 64})
+
+
 def test_every_public_name_is_importable_from_the_standalone_module():
     import pytorch_lightning.cli
 
