@@ -144,7 +144,7 @@ class FabricNames(_Names):
 
 
 def _package_of(cls: type, packages: tuple[str, ...]) -> str | None:
-    return _package_of_class(cls, packages)
+    return _package_of_class(cls, packages)  # typed apart: mypy holds a `type` unhashable for functools.cache
 
 
 @functools.cache
