@@ -63,8 +63,8 @@ AUTO = "auto"
 class Owner(Protocol):
     """The coordinator's side of the micro-batches of a split loader batch."""
 
-    def _start_micro_batch(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
-        """A micro-batch carrying ``share`` of its loader batch's rows begins.
+    def _start_micro_batch(self, batch: Any, share: float = 1.0, last: bool = True) -> tuple[Any, float]:
+        """A micro-batch carrying ``share`` of its loader batch's rows begins (``last``: the batch's last part).
 
         Returns its items (``None`` when every micro-batch weighs the same) and the share of the loader batch's loss
         its loss is weighed by (``1.0`` where item weighting weighs it).
@@ -363,7 +363,7 @@ class MicroBatcher:
             finally:
                 self._in_part = False
             # after the step, so that a part `cached` stopped never began: the micro-batch's items and weight
-            items, share = self._owner._start_micro_batch(part, weight)
+            items, share = self._owner._start_micro_batch(part, weight, last=index == len(parts) - 1)
             loss = _loss_of(output)
             if loss is None:
                 continue  # a skipped micro-batch (training_step returned None)

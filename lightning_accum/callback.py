@@ -259,13 +259,11 @@ class AccumulationScheduler(Callback):
         if not self._batcher.installed:  # else each micro-batch starts inside the micro-batcher's training_step
             self._start_micro_batch(batch)
 
-    def _start_micro_batch(self, batch: Any, share: float = 1.0) -> tuple[Any, float]:
-        """A micro-batch with ``share`` of its loader batch's rows begins: ``(its items, its loss's weight)``.
-
-        From ``on_train_batch_start``, or the micro-batcher for each part of a split batch (``_microbatch.Owner``).
-        """
+    def _start_micro_batch(self, batch: Any, share: float = 1.0, last: bool = True) -> tuple[Any, float]:
+        """A micro-batch (``share`` of a loader batch's rows; ``last``: its last part) begins: ``(items, weight)``."""
         ctx = self._ctx
-        ctx.batch = batch
+        ctx.batch, ctx.last_backward = batch, ctx.window.closed and last
+        ctx.gradient_scale = ctx.window.gradient_correction  # what the window's last backward scales by, if it does
         self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
         share = share if ctx.items is None else 1.0  # item weighting weighs micro-batches itself
         ctx.loss_divisor = ctx.window.size / share

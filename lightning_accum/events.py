@@ -234,6 +234,13 @@ class Context:
         micro_weight: With ``weights_in_float32``: what the micro-batch's gradient weighs in the window's sum (set at
             ``MICRO_BATCH_STARTED`` to its share over the window's size; item weighting multiplies it by the
             micro-batch's items over the typical count at ``BEFORE_BACKWARD``).
+        last_backward: Set at ``MICRO_BATCH_STARTED``: whether the micro-batch's backward is the window's last (the
+            one that reduces its gradient across ranks).
+        scale_in_backward: Published at ``FIT_START`` by wide accumulation under FSDP2: the window's gradient is
+            reduced and rounded to the parameters' dtype inside its last backward, so ``gradient_scale`` is wanted
+            before it: the shell sets it to the window's correction at ``MICRO_BATCH_STARTED``; a feature that
+            replaces it at ``WINDOW_CLOSING`` replaces it at the ``BEFORE_BACKWARD`` of ``last_backward`` too, where
+            wide accumulation takes it; at ``WINDOW_CLOSING`` the feature publishes the same value again.
         optimizer: The optimizer about to step (``WINDOW_CLOSING``, ``GRADIENT_READY``).
         gradient_scale: At ``WINDOW_CLOSING``: what turns the accumulated gradient into the window's mean. The
             callback sets the correction for a window cut short; a feature that weighs micro-batches otherwise
@@ -286,6 +293,8 @@ class Context:
     loss_divisor: float | torch.Tensor = 1.0
     weights_in_float32: bool = False
     micro_weight: float | torch.Tensor = 1.0
+    last_backward: bool = False
+    scale_in_backward: bool = False
     optimizer: Any = None
     gradient_scale: float | torch.Tensor = 1.0
 

@@ -169,7 +169,8 @@ def fsdp2_sync_state(unit: nn.Module) -> tuple[bool, bool]:
     return bool(groups[0].reduce_grads), bool(groups[0].all_reduce_grads)
 
 
-def _fsdp2_param_groups(module: nn.Module | None) -> list[Any]:
+def fsdp2_param_groups(module: nn.Module | None) -> list[Any]:
+    """The parameter groups of every FSDP2 unit under ``module`` (torch-private ``FSDPParamGroup`` s)."""
     groups = []
     for sub in fsdp2_modules(module):
         groups += param_groups_of(sub._get_fsdp_state())  # type: ignore[operator]
@@ -196,7 +197,7 @@ def fsdp2_pending_gradients(module: nn.Module | None) -> bool:
     with ``set_requires_all_reduce(False)`` (a reduce-scattered sum awaiting its all-reduce). An optimizer step at
     that point would miss them.
     """
-    for group in _fsdp2_param_groups(module):
+    for group in fsdp2_param_groups(module):
         if getattr(group, "_partial_reduce_output", None) is not None:
             return True
         for param in getattr(group, "fsdp_params", []):
@@ -210,7 +211,7 @@ def fsdp2_pending_gradients(module: nn.Module | None) -> bool:
 
 def drop_fsdp2_pending_gradients(module: nn.Module | None) -> None:
     """Forget the gradients FSDP2 accumulated for reductions that will not happen (an abandoned window)."""
-    for group in _fsdp2_param_groups(module):
+    for group in fsdp2_param_groups(module):
         if hasattr(group, "_partial_reduce_output"):
             group._partial_reduce_output = None
         for param in getattr(group, "fsdp_params", []):
@@ -219,43 +220,6 @@ def drop_fsdp2_pending_gradients(module: nn.Module | None) -> None:
             unsharded = getattr(param, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
-
-
-def fsdp2_widen_reduce_dtype(module: nn.Module | None, dtype: Any) -> Callable[[], None]:
-    """Make every FSDP2 unit whose gradients are narrower than ``dtype`` accumulate and reduce them in ``dtype``.
-
-    FSDP2 keeps the unreduced unsharded gradients of skipped reductions in its ``reduce_dtype`` when one is set
-    (``MixedPrecisionPolicy(reduce_dtype=...)``), else in the gradients' own dtype, and reduce-scatters in that
-    dtype; the reduced shard is cast to the sharded parameter's dtype once (measured in torch 2.13, see
-    docs/strategies.md). This gives each narrower unit's policy ``reduce_dtype=dtype``, exactly what the user could
-    have passed to ``fully_shard``, and applies it if FSDP2 already read the policy. Returns a function that puts the
-    previous policies back.
-    """
-    import dataclasses
-
-    from lightning_accum.precision import narrower
-
-    changed: list[tuple[Any, Any]] = []  # (param group, previous policy)
-    for group in _fsdp2_param_groups(module):
-        params = [p.sharded_param for p in getattr(group, "fsdp_params", []) if p.sharded_param.requires_grad]
-        policy = group.mp_policy
-        grad_dtype = policy.reduce_dtype or policy.param_dtype or (params[0].dtype if params else None)
-        if grad_dtype is None or not narrower(grad_dtype, dtype):
-            continue
-        changed.append((group, policy))
-        _set_policy(group, dataclasses.replace(policy, reduce_dtype=dtype))
-
-    def restore() -> None:
-        for group, policy in reversed(changed):
-            _set_policy(group, policy)
-
-    return restore
-
-
-def _set_policy(group: Any, policy: Any) -> None:
-    group.mp_policy = policy
-    if all(hasattr(p, "reduce_dtype") for p in group.fsdp_params):  # FSDP2 initialised its dtypes already
-        group._init_mp_dtypes()
 
 
 # ------------------------------------------------------------------ the ranks agree before each FSDP2 collective

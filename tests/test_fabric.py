@@ -227,6 +227,43 @@ def test_misuse_raises_what_to_do_before_any_weight_changes(misuse, error, match
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
 
 
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_fabric_backward_inside_a_micro_step_block_raises_and_the_window_is_dropped(order):
+    """``fabric.backward(loss)`` beside ``micro.backward(loss)`` in one block trained on a doubled, wrongly weighted
+    gradient without a word: it raises now, before or after ``micro.backward``, no step can take the window, and
+    outside a block ``fabric.backward`` is Fabric's own again."""
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4}, log_metrics=False)
+    before = _weights(model)
+    batches = accumulator.batches(DATA)
+    batch = next(batches)
+
+    def both_backwards() -> None:
+        with accumulator.micro_step(batch) as micro:
+            if order == "after":
+                micro.backward(mean_loss(model, batch))
+            fabric.backward(mean_loss(model, batch))
+
+    with pytest.raises(RuntimeError, match=r"fabric.backward\(loss\) was called inside a `micro_step` block"):
+        both_backwards()
+    assert all(p.grad is None for p in model.parameters())  # the window was dropped with what it held
+    with pytest.raises(RuntimeError, match="with no window's gradient ready"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    assert "backward" not in vars(fabric)  # Fabric's own method again
+    fabric.backward(mean_loss(model, DATA[0]))  # outside a block, as any Fabric loop
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_second_accumulator_over_parameters_another_one_steps_is_refused_naming_both():
+    fabric, model, optimizer = setup()
+    Accumulator(fabric, model, optimizer, scheduling={0: 4})
+    head = fabric.setup_optimizers(torch.optim.AdamW(model.head.parameters(), lr=LR))
+    with pytest.raises(ValueError, match=r"`optimizer` \(AdamW\) holds 2 parameter\(s\) that an open Accumulator"
+                       r" already steps with its optimizer \(SGD\): head.weight, head.bias"):  # fmt: skip
+        Accumulator(fabric, model, head)
+
+
 def test_a_model_or_optimizer_this_fabric_did_not_set_up_is_refused():
     """Ported from Lightning's tests/tests_fabric/test_fabric.py::test_no_backward_sync (a model not set up raises
     TypeError): here for the model and the optimizer, and for those of another Fabric."""

@@ -10,6 +10,7 @@ scale squares many small gradients in one dot.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import pytest
@@ -44,9 +45,9 @@ def one_rank_mesh(monkeypatch):
         dist.destroy_process_group()
 
 
-def _sharded(mesh) -> nn.Module:
+def _sharded(mesh, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).to(dtype)
     fully_shard(net[0], mesh=mesh)
     fully_shard(net[2], mesh=mesh)
     fully_shard(net, mesh=mesh)
@@ -161,3 +162,56 @@ def test_each_fsdp2_unit_yields_its_param_groups_on_this_torch_and_on_older_ones
     # torch releases before the list of groups per unit hold one group, or None, under the singular name
     assert param_groups_of(SimpleNamespace(_fsdp_param_group=found[0])) == [found[0]]
     assert param_groups_of(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_fsdp2_weights_make_the_window_the_float32_weighted_sum_rounded_once(one_rank_mesh):
+    """lightning_accum/fsdp2_precision.py relies on FSDP2 (torch 2.13) keeping each unit's ``_unsharded_param`` from
+    one iteration to the next (its post-accumulate-grad hook stays), reducing ``unsharded_accumulated_grad`` when one
+    is set, and calling a param group's ``_all_reduce_hook`` on the reduced shard in the reduce dtype before casting it
+    to the shard's dtype. Then three bfloat16 micro-batches weighted 1/3, 1/6 and 1/2 and scaled by 1.25 give the
+    correctly rounded float32 result, where the same weights on the bfloat16 losses do not."""
+    from lightning_accum.fsdp2_precision import FSDP2Weights, widen_reduce_dtype
+
+    x = torch.randn(9, 3)
+    weights, scale = [1 / 3, 1 / 6, 1 / 2], 1.25
+
+    def window(net: nn.Module, wide: FSDP2Weights | None) -> list[torch.Tensor]:
+        for index, weight in enumerate(weights):
+            with skip_gradient_sync(net, "last") if index < 2 else contextlib.nullcontext():
+                out = net(x[3 * index : 3 * index + 3].bfloat16()).float().pow(2).mean()
+                if wide is None:
+                    (out * weight * scale).backward()
+                    continue
+                wide.watch()  # between forward and backward, as the shells' BEFORE_BACKWARD
+                wide.weight = weight
+                if index == 2:
+                    wide.arm(scale)
+                out.backward()
+        return _grads(net)
+
+    # plain PyTorch: each micro-batch's bfloat16 gradient of its unscaled loss, weighted and summed in float64
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).bfloat16()  # _sharded's, unsharded
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in reference.parameters()]
+    for index, weight in enumerate(weights):
+        reference.zero_grad()
+        reference(x[3 * index : 3 * index + 3].bfloat16()).float().pow(2).mean().backward()
+        for total, p in zip(sums, reference.parameters(), strict=True):
+            total += weight * scale * p.grad.double()
+    expected = [total.to(torch.bfloat16) for total in sums]
+
+    net = _sharded(one_rank_mesh, torch.bfloat16)
+    restore = widen_reduce_dtype(net, torch.float32)
+    wide = FSDP2Weights(net, torch.float32)
+    groups = [unit._get_fsdp_state()._fsdp_param_groups[0] for unit in (net[0], net[2])]
+    for _ in range(2):  # the hooks registered in the first window still fire in the second
+        net.zero_grad(set_to_none=True)
+        grads = window(net, wide)
+        assert wide.disarm()  # the reducing backward applied the scale
+        assert all(torch.equal(g.bfloat16(), e) for g, e in zip(grads, expected, strict=True))
+    wide.remove()
+    restore()
+    assert all(group._all_reduce_hook is None for group in groups)
+
+    narrow = _sharded(one_rank_mesh, torch.bfloat16)  # the weights on the bfloat16 losses: rounded in bfloat16
+    assert not all(torch.equal(g.bfloat16(), e) for g, e in zip(window(narrow, None), expected, strict=True))

@@ -1,12 +1,14 @@
 """What the Accumulator refuses before any weight changes, besides the misuse of a loop's blocks.
 
-Arguments that contradict, an optimizer it cannot serve, a step before the window's gradient is final. Lightning
-glue (Fabric's strategies); the misuse of a loop's blocks is checked where it happens, in the Accumulator.
+Arguments that contradict, an optimizer (or parameters) it cannot serve, a step before the window's gradient is final.
+Lightning glue (Fabric's strategies); the misuse of a loop's blocks is checked where it happens, in the Accumulator
+(``fabric.backward`` inside a block: :mod:`~lightning_accum.fabric._shadows`).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +18,8 @@ from lightning_accum._lightning import fabric_names
 from lightning_accum.schedule import check_bool
 from lightning_accum.window import Window
 
-_IN_USE: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers an open Accumulator steps
+# optimizers an open Accumulator steps -> the ids of their parameters
+_IN_USE: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
 def check_shift_labels(shift_labels: object, count_items: Any, normalize_by: str, unit: str) -> None:
@@ -38,15 +41,29 @@ def check_optimizer(fabric: Fabric, model: Any, optimizer: torch.optim.Optimizer
     """Refuse an optimizer that another open Accumulator steps, or that misses trainable parameters of the model.
 
     Raises:
-        ValueError: If another Accumulator holds ``optimizer`` (each would scale its learning rate), or it does not
-            hold every trainable parameter (their gradients would miss the window's weighting; under DeepSpeed ZeRO's
-            optimizer holds partitions of them all).
+        ValueError: If another Accumulator holds ``optimizer`` (each would scale its learning rate) or parameters of
+            it (each would weigh and step their gradients), or it does not hold every trainable parameter (their
+            gradients would miss the window's weighting; under DeepSpeed ZeRO's optimizer holds partitions of them
+            all).
     """
     if optimizer in _IN_USE:
         raise ValueError(
             "`optimizer` already has an Accumulator: two would each scale its learning rate and its gradients."
             " Call `close()` on the first one before creating another"
         )
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for other, params in list(_IN_USE.items()):
+        shared = mine & params
+        if shared:
+            module = getattr(model, "module", model)  # the user's names, not the Fabric wrapper's
+            names = [name for name, p in module.named_parameters() if id(p) in shared] or ["(unnamed)"]
+            raise ValueError(
+                f"`optimizer` ({type(optimizer).__name__}) holds {len(shared)} parameter(s) that an open Accumulator"
+                f" already steps with its optimizer ({type(other).__name__}): {', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}. Two Accumulators would each weigh the window's gradients of"
+                " those parameters and step them. Call `close()` on the first Accumulator before creating another,"
+                " or give each optimizer parameters of its own"
+            )
     if isinstance(fabric.strategy, fabric_names(fabric).DeepSpeedStrategy):
         return
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -60,14 +77,14 @@ def check_optimizer(fabric: Fabric, model: Any, optimizer: torch.optim.Optimizer
         )
 
 
-def claim(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` is stepped by an open Accumulator from now on."""
-    _IN_USE.add(optimizer)
+def claim(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """``optimizer`` (and its parameters) is stepped by an open Accumulator from now on; returns the release."""
+    _IN_USE[optimizer] = frozenset(id(p) for group in optimizer.param_groups for p in group["params"])
 
+    def release() -> None:
+        _IN_USE.pop(optimizer, None)
 
-def release(optimizer: torch.optim.Optimizer) -> None:
-    """The Accumulator stepping ``optimizer`` was closed."""
-    _IN_USE.discard(optimizer)
+    return release
 
 
 def early_step(window: Window, inside: bool) -> str:

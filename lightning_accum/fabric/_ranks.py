@@ -10,8 +10,23 @@ Lightning glue: collectives on the default process group of Fabric's strategy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from lightning.fabric import Fabric
+
+
+def over_ranks(group: Any, world_size: int) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """``reduce(tensor, "sum" | "mean")`` for ``Context.reduce``: ``tensor`` summed (or averaged) over ``group``."""
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if world_size == 1:
+            return tensor
+        torch.distributed.all_reduce(tensor, group=group)
+        return tensor / world_size if op == "mean" else tensor
+
+    return reduce
 
 
 def agree_on_loaders(fabric: Fabric, size: int | None, length: int | None, given: int | None) -> int | None:

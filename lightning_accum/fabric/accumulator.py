@@ -28,10 +28,11 @@ from lightning.fabric import Fabric
 
 from lightning_accum._lightning import fabric_names
 from lightning_accum.events import Context, Event, Feature, Features
-from lightning_accum.fabric._checks import check_open, check_optimizer, check_shift_labels, claim, early_step, release
-from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window
+from lightning_accum.fabric._checks import check_open, check_optimizer, check_shift_labels, claim, early_step
+from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window, over_ranks
 from lightning_accum.fabric._run import FabricRun
 from lightning_accum.fabric._setup import data_parallel, loader_batch_size, set_up_model, set_up_optimizer
+from lightning_accum.fabric._shadows import initializes_state, keep_on_load, own_backward
 from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
 from lightning_accum.features import ItemWeighting, LRScaling, Metrics, TokenCount, WideAccumulation
 from lightning_accum.precision import accumulation_dtype, scale_in_place
@@ -193,7 +194,8 @@ class Accumulator:
         self._ends_epoch = False  # the window in progress holds the rest of the epoch
         self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero, can_split=False)
         ctx = self._ctx
-        ctx.module, ctx.reduce, ctx.broadcast = self._model.module, self._reduce, lambda obj: fabric.broadcast(obj)
+        ctx.module, ctx.broadcast = self._model.module, lambda obj: fabric.broadcast(obj)
+        ctx.reduce = over_ranks(self._group, data_parallel_size)
         ctx.run = FabricRun(
             fabric,
             self._forward,
@@ -207,7 +209,9 @@ class Accumulator:
             self._optimizer.register_step_pre_hook(self._before_step),
             self._optimizer.register_step_post_hook(self._after_step),
         ]
-        claim(self._optimizer)
+        self._release = claim(self._optimizer)
+        self._unshadow_load = keep_on_load(fabric.strategy, Accumulator)  # a sharded fabric.load restores it too
+        self._fabric_backward: Callable[..., Any] = fabric.backward
         # whether the window's gradient is final (its last block exited without error), whether close() was called
         self._ready, self._closed = False, False
 
@@ -378,14 +382,16 @@ class Accumulator:
         self._offered = None
         ctx.window.take(ends_epoch=False)  # opened with what it holds: closes at its last micro-batch
         micro = MicroStep(self, ctx.window.taken - 1, ctx.window.size)
-        ctx.batch, ctx.batch_idx = batch, self._in_epoch
+        ctx.batch, ctx.batch_idx, ctx.last_backward = batch, self._in_epoch, micro.should_step
+        ctx.gradient_scale = ctx.window.gradient_correction  # what the window's last backward scales by, if it does
         self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
         ctx.loss_divisor = ctx.window.size
         if ctx.weights_in_float32:  # the unscaled loss is backpropagated; its weight goes in with its gradient
             ctx.micro_weight, ctx.loss_divisor = 1.0 / ctx.window.size, 1.0
         self._active = micro
         try:
-            with self._sync(last=micro.should_step):
+            with self._sync(last=micro.should_step), own_backward(self._fabric) as backward:
+                self._fabric_backward = backward  # the Fabric's own, which micro.backward calls
                 yield micro
         except BaseException:
             self._active = None
@@ -430,7 +436,7 @@ class Accumulator:
         micro.loss = loss.detach()
         ctx.loss = loss / ctx.loss_divisor  # a fresh tensor, which the features may re-weigh in place
         self._features.dispatch(Event.BEFORE_BACKWARD, ctx)
-        self._fabric.backward(ctx.loss, model=self._model)
+        self._fabric_backward(ctx.loss, model=self._model)
         self._features.dispatch(Event.AFTER_BACKWARD, ctx)
 
     def _end_micro_step(self, micro: MicroStep) -> None:
@@ -494,20 +500,14 @@ class Accumulator:
     # ------------------------------------------------------------------ the optimizer's step
 
     def _before_step(self, *_: Any) -> None:
-        if not self._ready:
-            raise RuntimeError(early_step(self._ctx.window, inside=self._active is not None))
+        if self._ready or (self._active is None and initializes_state(self._optimizer)):
+            return  # the window's step, or torch's checkpoint creating the optimizer's state at learning rate 0
+        raise RuntimeError(early_step(self._ctx.window, inside=self._active is not None))
 
     def _after_step(self, *_: Any) -> None:
         self._finish_window()
 
     # ------------------------------------------------------------------ what every rank must share
-
-    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """``tensor`` summed (or averaged) over the data-parallel ranks, in place (``Context.reduce``)."""
-        if self._ctx.world_size == 1:
-            return tensor
-        torch.distributed.all_reduce(tensor, group=self._group)
-        return tensor / self._ctx.world_size if op == "mean" else tensor
 
     # ------------------------------------------------------------------ misuse between windows
 
@@ -572,5 +572,6 @@ class Accumulator:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        release(self._optimizer)
+        self._unshadow_load()
+        self._release()
         self._ctx.release()

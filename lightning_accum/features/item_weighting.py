@@ -12,8 +12,13 @@ and the gradient's scale are 0-d tensors, and the host waits for them only where
 first :data:`CHECKED_WINDOWS` windows and on every logged step, which is also where a count is checked (negative,
 NaN or infinite; a window without items). Host counts on one process (samples) are checked on every window.
 
+Under FSDP2 with wide accumulation (``ctx.scale_in_backward``) the window's gradient is reduced and rounded inside its
+last backward, so the window's counts are reduced, and its scale set, at that backward's ``BEFORE_BACKWARD``: every
+count of the window is known there.
+
 Publishes ``ctx.items`` (``MICRO_BATCH_STARTED``), ``ctx.loss_divisor`` (``BEFORE_BACKWARD``), ``ctx.window_items``
-and ``ctx.gradient_scale`` (``WINDOW_CLOSING``).
+and ``ctx.gradient_scale`` (``WINDOW_CLOSING``; also at the window's last ``BEFORE_BACKWARD`` under
+``ctx.scale_in_backward``).
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class ItemWeighting(Feature):
         self._invalid: torch.Tensor | None = None  # how many of them are negative, NaN or infinite (on the device)
         self._carried = False  # whether the counts of a window not read are carried to the next check
         self._device = torch.device("cpu")
+        self._early: tuple[Any, Any] | None = None  # (window's items, scale) taken at its last backward (FSDP2)
         self._checks_left = CHECKED_WINDOWS  # windows of this fit whose device counts are still to be read
 
     @override
@@ -125,6 +131,7 @@ class ItemWeighting(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
+        self._early = None
         self._window_items = 0
         self._backwards = 0
         if not self._carried:
@@ -173,9 +180,19 @@ class ItemWeighting(Feature):
         if not self._backwards:  # the window's first: where its counts are reduced
             self._device = loss.device
         self._backwards += 1
+        if ctx.last_backward and ctx.scale_in_backward:  # FSDP2 rounds the gradient in this backward: scale now
+            self._scale(ctx)
+            self._early = ctx.window_items, ctx.gradient_scale
 
     @override
     def window_closing(self, ctx: Context) -> None:
+        if self._early is not None:  # the window's last backward took the scale already
+            (ctx.window_items, ctx.gradient_scale), self._early = self._early, None
+            return
+        self._scale(ctx)
+
+    def _scale(self, ctx: Context) -> None:
+        """Set ``ctx.window_items`` and ``ctx.gradient_scale`` from the window's counts on every rank."""
         if self._per_micro_batch is None:  # no backward yet in this fit (training_step returned None)
             return
         # the gradient holds the rank average of sum(items_i * grad_i) / (size * typical items): exactly the mean

@@ -14,9 +14,14 @@ Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-
   float32 sums all-reduced once per window (``ctx.run.all_reduce_sum``; float32 communication: twice the bytes of
   bfloat16);
 - FSDP2 (``fully_shard``): the units' reduce dtype is widened, so FSDP2 itself keeps the unreduced gradients of
-  ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once.
+  ``gradient_sync="last"`` in float32 and reduce-scatters them in float32, casting each shard once; where the units
+  compute narrower gradients, every micro-batch backpropagates its unscaled loss too, and its unsharded gradient is
+  moved into FSDP2's float32 sum times its weight as autograd writes it, and the window's scale multiplies the reduced
+  float32 shards inside the window's last backward, before their one rounding
+  (:class:`~lightning_accum.fsdp2_precision.FSDP2Weights`; ``ctx.scale_in_backward``).
 
-Publishes ``ctx.weights_in_float32`` (``FIT_START``); reads ``ctx.micro_weight`` (``BEFORE_BACKWARD``). Consumes
+Publishes ``ctx.weights_in_float32`` and ``ctx.scale_in_backward`` (``FIT_START``); reads ``ctx.micro_weight`` and,
+at the window's last backward under FSDP2, ``ctx.gradient_scale`` (``BEFORE_BACKWARD``). Consumes
 ``ctx.gradient_scale`` at ``WINDOW_CLOSING`` where it accumulates: the scale is applied in float32 before the one
 rounding, and to the gradients of the parameters it does not hold.
 """
@@ -30,8 +35,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from lightning_accum.events import Context, DataParallel, Feature
+from lightning_accum.fsdp2_precision import FSDP2Weights, computes_narrower, widen_reduce_dtype
 from lightning_accum.precision import WideAccumulator, narrower, scale_in_place
-from lightning_accum.sync import fsdp2_widen_reduce_dtype
 
 
 class WideAccumulation(Feature):
@@ -66,6 +71,7 @@ class WideAccumulation(Feature):
         self._accumulator: WideAccumulator | None = None
         self._reduces = False  # whether this feature all-reduces the window's sums, DDP's own reduction off
         self._restore: Any = None  # gives FSDP2 its reduce dtypes back
+        self._weights: FSDP2Weights | None = None  # FSDP2: each micro-batch weighed as its gradient accumulates
         self._active = False  # whether the window in progress accumulates here
         self._weight: float | torch.Tensor = 1.0  # the weight of the gradient that moves next
 
@@ -75,20 +81,17 @@ class WideAccumulation(Feature):
         parallel = ctx.run.data_parallel
         narrow = self._narrow(ctx)
         name = _name(self.dtype)
+        fsdp2 = parallel.wrapper == "fsdp2"
         try:
-            if parallel.wrapper == "fsdp2":
-                self._fsdp2(parallel, ctx.module, narrow)
-                ctx.summary.append(f"FSDP2 reduces and accumulates gradients in {name}")
-                return
-            if not narrow:
-                return
-            if parallel.wrapper == "deepspeed":
+            if fsdp2:
+                self._check_fsdp2(parallel, narrow)
+            elif narrow and parallel.wrapper == "deepspeed":
                 raise ValueError(
                     f"DeepSpeed (ZeRO stage {parallel.zero_stage}) accumulates the gradients of {narrow[0].dtype}"
                     " parameters itself, in the dtype of its config's `data_types.grad_accum_dtype` (DeepSpeed takes"
                     " fp32 there for bf16 parameters at ZeRO stage 1 only): set grad_accum_dtype=None here"
                 )
-            if parallel.wrapper in ("ddp", "fsdp1"):
+            elif narrow and parallel.wrapper in ("ddp", "fsdp1"):
                 self._check_ddp(parallel)
                 self._reduces = True
         except ValueError as error:
@@ -96,22 +99,37 @@ class WideAccumulation(Feature):
                 raise
             rank_zero_warn(f"{ctx.run.owner}: gradients are accumulated in {narrow[0].dtype}: {error}")
             return
+        if fsdp2:
+            self._restore = widen_reduce_dtype(ctx.module, self.dtype)
+            if not computes_narrower(ctx.module, self.dtype):  # gradients as wide as the sums: nothing to weigh
+                ctx.summary.append(f"FSDP2 reduces and accumulates gradients in {name}")
+                return
+            # each micro-batch's unscaled gradient weighed in the wide dtype as FSDP2 accumulates it; with one
+            # reduction per window ("last"), the window's scale applied to the reduced shards before their rounding
+            self._weights = FSDP2Weights(ctx.module, self.dtype)
+            ctx.scale_in_backward = parallel.gradient_sync == "last"
+            ctx.summary.append(f"FSDP2 weighs, reduces and accumulates gradients in {name}")
+        elif not narrow:
+            return
         self._accumulator = self._build(ctx)
         ctx.weights_in_float32 = True  # the losses are backpropagated unscaled: weighed here, in the wide dtype
-        ctx.summary.append(f"gradients accumulated in {name} (+{self._accumulator.nbytes / 2**20:.1f} MiB)")
+        if self._accumulator is not None:
+            ctx.summary.append(f"gradients accumulated in {name} (+{self._accumulator.nbytes / 2**20:.1f} MiB)")
 
     def _narrow(self, ctx: Context) -> list[torch.Tensor]:
         return [p for p in ctx.module.parameters() if p.requires_grad and narrower(p.dtype, self.dtype)]
 
     def _covered(self, ctx: Context) -> list[torch.Tensor]:
-        # every trainable parameter: the losses are backpropagated unscaled, so the float32 ones are weighed here too
-        # (and under DDP its own reduction is off for the window)
-        return [p for p in ctx.module.parameters() if p.requires_grad]
+        # every trainable parameter (the losses are backpropagated unscaled, so the float32 ones are weighed here too,
+        # and under DDP its own reduction is off for the window) but those FSDP2 weighs as it accumulates them
+        managed = set() if self._weights is None else {id(p) for p in self._weights.params}
+        return [p for p in ctx.module.parameters() if p.requires_grad and id(p) not in managed]
 
-    def _build(self, ctx: Context) -> WideAccumulator:
-        return WideAccumulator(self._covered(ctx), self.dtype)
+    def _build(self, ctx: Context) -> WideAccumulator | None:
+        covered = self._covered(ctx)
+        return WideAccumulator(covered, self.dtype) if covered or self._weights is None else None
 
-    def _fsdp2(self, parallel: DataParallel, module: Any, narrow: list[torch.Tensor]) -> None:
+    def _check_fsdp2(self, parallel: DataParallel, narrow: list[torch.Tensor]) -> None:
         policy = parallel.gradient_sync or "every"  # a stock strategy reduce-scatters every micro-step
         if narrow and policy != "last":
             raise ValueError(
@@ -121,7 +139,6 @@ class WideAccumulation(Feature):
                 " float32 sharded parameters (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`), or set"
                 " grad_accum_dtype=None to accumulate in the parameters' dtype"
             )
-        self._restore = fsdp2_widen_reduce_dtype(module, self.dtype)
 
     def _check_ddp(self, parallel: DataParallel) -> None:
         name = _name(self.dtype)
@@ -150,6 +167,8 @@ class WideAccumulation(Feature):
 
     @override
     def window_opened(self, ctx: Context) -> None:
+        if self._weights is not None:
+            self._weights.disarm()  # a window abandoned before its last backward
         if self._accumulator is not None:
             covered = self._covered(ctx)
             if [id(p) for p in covered] != [id(p) for p in self._accumulator.params]:
@@ -166,6 +185,11 @@ class WideAccumulation(Feature):
 
     @override
     def before_backward(self, ctx: Context) -> None:
+        if self._weights is not None:  # FSDP2: weighed as autograd writes it, before any hook sees it
+            self._weights.watch()
+            self._weights.weight = ctx.micro_weight
+            if ctx.last_backward and ctx.scale_in_backward:
+                self._weights.arm(ctx.gradient_scale)
         # the previous micro-batch's gradient moves into the buffers now, not right after its backward: every
         # on_after_backward hook (the LightningModule's, other callbacks') sees the micro-batch's own gradient
         if self._active:
@@ -175,22 +199,28 @@ class WideAccumulation(Feature):
 
     @override
     def window_closing(self, ctx: Context) -> None:
-        if not self._active:
-            return
-        accumulator = self._accumulator
-        assert accumulator is not None
-        accumulator.add(self._weight)  # the window's last micro-batch
-        if self._reduces:
-            accumulator.reduce(ctx.run.all_reduce_sum, ctx.world_size)
-            ctx.run.reduce_gradients_elsewhere(False)  # DDP's own again until the next window: a backward between
-        accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
+        scaled = self._weights is not None and self._weights.disarm()  # FSDP2 applied the scale before rounding
+        if not self._active and not scaled:
+            return  # the shell scales every gradient
+        done: set[int] = set()  # the parameters whose gradient holds the scale
+        if self._active:
+            accumulator = self._accumulator
+            assert accumulator is not None
+            accumulator.add(self._weight)  # the window's last micro-batch
+            if self._reduces:
+                accumulator.reduce(ctx.run.all_reduce_sum, ctx.world_size)
+                ctx.run.reduce_gradients_elsewhere(False)  # DDP's own again until the next window: a backward between
+            accumulator.write(ctx.gradient_scale)  # the scale in float32, then the one rounding
+            done = {id(p) for p in accumulator.params}
+        if scaled:
+            assert self._weights is not None
+            done |= {id(p) for p in self._weights.params}
         if ctx.optimizer is not None:  # parameters accumulated in place, as usual
-            covered = {id(p) for p in accumulator.params}
             rest = [
                 p.grad
                 for group in ctx.optimizer.param_groups
                 for p in group["params"]
-                if p.grad is not None and id(p) not in covered
+                if p.grad is not None and id(p) not in done
             ]
             scale_in_place(rest, ctx.gradient_scale)
         ctx.gradient_scale = 1.0
@@ -202,10 +232,12 @@ class WideAccumulation(Feature):
     def _release(self, ctx: Context) -> None:
         if self._reduces:
             ctx.run.reduce_gradients_elsewhere(False)
+        if self._weights is not None:
+            self._weights.remove()
         if self._restore is not None:
             self._restore()
-        self._accumulator = self._restore = None
-        self._active = self._reduces = ctx.weights_in_float32 = False
+        self._accumulator = self._restore = self._weights = None
+        self._active = self._reduces = ctx.weights_in_float32 = ctx.scale_in_backward = False
 
 
 def _name(dtype: torch.dtype) -> str:

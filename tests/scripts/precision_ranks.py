@@ -83,9 +83,30 @@ CONFIGS: dict[str, tuple[str, str, dict[str, Any] | None, str | None]] = {
     "ddp_float32_k3_fp16": ("ddp", "16-true", None, "float32"),
     # sample weighting with ragged ranks: rank 1's last micro-batch holds 1 sample (12 + 9 samples in the window)
     "ddp_float32_k3_samples": ("ddp", "bf16-true", None, "float32"),
+    # FSDP2 at factors that are no power of two: each unscaled micro-batch gradient weighed in float32 as FSDP2
+    # accumulates it, the reduced float32 shards rounded once
+    "fsdp2_last_float32_k3": ("last", "bf16-true", {}, "float32"),
+    "fsdp2_last_float32_k5": ("last", "bf16-true", {}, "float32"),
+    "fsdp2_last_float32_k5_short": ("last", "bf16-true", {}, "float32"),  # the epoch holds 3 batches: a window of 3
+    "fsdp2_last_float32_k3_samples": ("last", "bf16-true", {}, "float32"),
+    "fsdp2_last_mixed_float32_k3": ("last", "32-true", BF16, "float32"),  # float32 shards, bfloat16 compute
+    "fsdp2_every_float32_k3": ("every", "32-true", BF16, "float32"),
+    "fsdp2_last_none_k3": ("last", "bf16-true", {}, None),  # each loss divided by 3 in bfloat16
 }
-FACTORS = {"ddp_float32_k3": 3, "ddp_float32_k3_fp16": 3, "ddp_float32_k3_samples": 3}  # the others: FACTOR
-RANK_1_SHORT_BY = {"ddp_float32_k3_samples": 3}
+FACTORS = {  # the others: FACTOR
+    "ddp_float32_k3": 3,
+    "ddp_float32_k3_fp16": 3,
+    "ddp_float32_k3_samples": 3,
+    "fsdp2_last_float32_k3": 3,
+    "fsdp2_last_float32_k5": 5,
+    "fsdp2_last_float32_k5_short": 5,
+    "fsdp2_last_float32_k3_samples": 3,
+    "fsdp2_last_mixed_float32_k3": 3,
+    "fsdp2_every_float32_k3": 3,
+    "fsdp2_last_none_k3": 3,
+}
+BATCHES = {"fsdp2_last_float32_k5_short": 3}  # micro-batches on each rank; the others: the factor
+RANK_1_SHORT_BY = {"ddp_float32_k3_samples": 3, "fsdp2_last_float32_k3_samples": 3}
 
 
 def run(name: str, out: Path) -> None:
@@ -119,9 +140,10 @@ def run(name: str, out: Path) -> None:
         enable_model_summary=False,
     )
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    x, y = make_data(2 * factor * MICRO_BATCH)
+    batches = BATCHES.get(name, factor)
+    x, y = make_data(2 * batches * MICRO_BATCH)
     short = RANK_1_SHORT_BY.get(name, 0) if rank == 1 else 0
-    half = slice(rank * factor * MICRO_BATCH, (rank + 1) * factor * MICRO_BATCH - short)
+    half = slice(rank * batches * MICRO_BATCH, (rank + 1) * batches * MICRO_BATCH - short)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[half], y[half]), batch_size=MICRO_BATCH)
     module = Module(
         None if kind.startswith("ddp") else shard, head=name == "ddp_mixed_float32", unused="unused" in name
