@@ -56,21 +56,24 @@ def widen_reduce_dtype(module: nn.Module | None, dtype: torch.dtype) -> Callable
 
 
 def computes_narrower(module: nn.Module | None, dtype: torch.dtype) -> bool:
-    """Whether some FSDP2 unit of ``module`` computes trainable gradients narrower than ``dtype`` (before any reduce).
+    """Whether some FSDP2 unit of ``module`` computes gradients narrower than ``dtype`` (before any reduce).
 
-    Its ``param_dtype`` where the policy sets one (bfloat16 compute on float32 shards), else its shards' dtype.
+    Its ``param_dtype`` where the policy sets one (bfloat16 compute on float32 shards), else its shards' dtype; frozen
+    units count too (a backbone unfrozen later trains in the same windows).
     """
     for group in fsdp2_param_groups(module):
-        policy = group.mp_policy
-        params = [p.sharded_param for p in group.fsdp_params if p.sharded_param.requires_grad]
-        if params and narrower(policy.param_dtype or params[0].dtype, dtype):
+        params = [p.sharded_param for p in group.fsdp_params]
+        if params and narrower(group.mp_policy.param_dtype or params[0].dtype, dtype):
             return True
     return False
 
 
 def _gradient_dtype(group: Any) -> torch.dtype | None:
-    """The dtype a unit reduces its gradients in: its policy's ``reduce_dtype``, else its compute dtype."""
-    params = [p.sharded_param for p in group.fsdp_params if p.sharded_param.requires_grad]
+    """The dtype a unit reduces its gradients in: its policy's ``reduce_dtype``, else its compute dtype.
+
+    Read for every unit, frozen ones too: one unfrozen after the fit started must already reduce in the wide dtype.
+    """
+    params = [p.sharded_param for p in group.fsdp_params]
     policy = group.mp_policy
     return policy.reduce_dtype or policy.param_dtype or (params[0].dtype if params else None)
 
@@ -130,6 +133,7 @@ class FSDP2Weights:
             return
         complete = True
         for group in self._groups:
+            hooked = len(self._hooks)
             for fsdp_param in group.fsdp_params:
                 if id(fsdp_param) in self._hooks:
                     continue
@@ -138,6 +142,10 @@ class FSDP2Weights:
                     complete = False
                     continue
                 self._hooks[id(fsdp_param)] = unsharded.register_post_accumulate_grad_hook(self._move(fsdp_param))
+            if len(self._hooks) > hooked and getattr(group, "_orig_dtype", True) is None:
+                # a unit frozen when FSDP2 initialised it, unfrozen since: FSDP2 read its dtypes from its trainable
+                # parameters (none), so it would neither cast its reduced gradient back nor reduce in float32
+                group._init_mp_dtypes()
         self._all_hooked = complete
 
     def arm(self, scale: float | torch.Tensor) -> None:
@@ -167,9 +175,8 @@ class FSDP2Weights:
             unsharded.grad = None  # FSDP2 then takes (or keeps) the wide sum alone
             weight = self.weight
             total = fsdp_param.unsharded_accumulated_grad
-            if total is None:
-                dtype = self.dtype if narrower(grad.dtype, self.dtype) else grad.dtype
-                total = grad.to(dtype, copy=True)
+            if total is None:  # in the unit's reduce dtype, which FSDP2 reduces and casts back from
+                total = grad.to(getattr(fsdp_param, "reduce_dtype", None) or grad.dtype, copy=True)
                 if isinstance(weight, torch.Tensor) or weight != 1.0:
                     total.mul_(weight)
                 fsdp_param.unsharded_accumulated_grad = total

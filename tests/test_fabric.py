@@ -255,6 +255,28 @@ def test_fabric_backward_inside_a_micro_step_block_raises_and_the_window_is_drop
     assert all(p.grad is not None for p in model.parameters())
 
 
+def test_a_users_own_fabric_backward_is_put_back_after_each_block():
+    fabric, model, optimizer = setup()
+    calls = []
+
+    def wrapper(*args: Any, **kwargs: Any) -> None:  # a user's instrumentation of fabric.backward
+        calls.append(1)
+        Fabric.backward(fabric, *args, **kwargs)
+
+    fabric.backward = wrapper
+    train(Accumulator(fabric, model, optimizer, scheduling={0: 2}, log_metrics=False), model, optimizer, DATA[:4])
+    assert fabric.backward is wrapper
+    assert len(calls) == 4  # micro.backward goes through it, in every block
+
+
+def test_a_step_at_learning_rate_0_on_a_window_in_progress_is_refused_as_any_early_step():
+    """A warmup from learning rate 0 stepped after the first micro-batch: refused, though torch's checkpoint steps an
+    optimizer at learning rate 0 (on zero gradients, to create its state) and that step passes."""
+    fabric, model, optimizer = setup(lr=0.0)
+    with pytest.raises(RuntimeError, match=r"optimizer.step\(\) was called after micro-step 1 of a window of 4"):
+        _misuse_step_mid_window(Accumulator(fabric, model, optimizer, scheduling={0: 4}), model, optimizer)
+
+
 def test_a_second_accumulator_over_parameters_another_one_steps_is_refused_naming_both():
     fabric, model, optimizer = setup()
     Accumulator(fabric, model, optimizer, scheduling={0: 4})

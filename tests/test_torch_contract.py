@@ -215,3 +215,38 @@ def test_fsdp2_weights_make_the_window_the_float32_weighted_sum_rounded_once(one
 
     narrow = _sharded(one_rank_mesh, torch.bfloat16)  # the weights on the bfloat16 losses: rounded in bfloat16
     assert not all(torch.equal(g.bfloat16(), e) for g, e in zip(window(narrow, None), expected, strict=True))
+
+
+def test_fsdp2_weights_serve_a_unit_frozen_at_the_start_and_unfrozen_later(one_rank_mesh):
+    """A backbone frozen when the fit starts and unfrozen after a step (``BackboneFinetuning``): its unit must already
+    reduce in float32, else FSDP2 hands a float32 reduced gradient to a bfloat16 parameter (it raised in
+    ``foreach_reduce``). Its first window is the correctly rounded weighted sum, as the other unit's."""
+    from lightning_accum.fsdp2_precision import FSDP2Weights, widen_reduce_dtype
+
+    x = torch.randn(6, 3)
+    net = _sharded(one_rank_mesh, torch.bfloat16)
+    net[0].requires_grad_(False)
+    restore = widen_reduce_dtype(net, torch.float32)
+    wide = FSDP2Weights(net, torch.float32)
+    for unfrozen in (False, True):
+        net[0].requires_grad_(unfrozen)
+        net.zero_grad(set_to_none=True)
+        for index in range(2):
+            with skip_gradient_sync(net, "last") if index == 0 else contextlib.nullcontext():
+                out = net(x[3 * index : 3 * index + 3].bfloat16()).float().pow(2).mean()
+                wide.watch()
+                wide.weight = 1 / 3 if index == 0 else 2 / 3
+                out.backward()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).bfloat16()  # _sharded's, unsharded
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in reference.parameters()]
+    for index, weight in enumerate((1 / 3, 2 / 3)):
+        reference.zero_grad()
+        reference(x[3 * index : 3 * index + 3].bfloat16()).float().pow(2).mean().backward()
+        for total, p in zip(sums, reference.parameters(), strict=True):
+            total += weight * p.grad.double()
+    got = _grads(net)
+    assert got[0].dtype == torch.bfloat16
+    assert all(torch.equal(g, total.to(torch.bfloat16)) for g, total in zip(got[:2], sums[:2], strict=True))
+    wide.remove()
+    restore()

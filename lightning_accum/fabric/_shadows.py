@@ -74,11 +74,21 @@ def initializes_state(optimizer: torch.optim.Optimizer) -> bool:
     """Whether a step outside any window is torch's distributed checkpoint creating the optimizer's state.
 
     ``torch.distributed.checkpoint.state_dict`` (``fabric.save`` and ``fabric.load`` under FSDP2 and FSDP) gives an
-    optimizer without state zero gradients and steps it once with every learning rate set to 0, then puts the
-    learning rates back; a step at learning rate 0 moves no weight, and the Accumulator does not count it.
+    optimizer without state and without gradients zero gradients and steps it once with every learning rate set to 0,
+    then puts the learning rates back: a step that moves no weight, which the Accumulator does not count. A step at
+    learning rate 0 on a real gradient (a warmup from 0 stepped too early) is none: it is refused as any early step.
+    Reads each gradient's local values, only in that case (an early step at learning rate 0).
     """
     groups = optimizer.param_groups
-    return bool(groups) and all("lr" in group and float(group["lr"]) == 0.0 for group in groups)
+    if optimizer.state or not groups or any(float(group.get("lr", 1.0)) != 0.0 for group in groups):
+        return False
+    grads = [p.grad for group in groups for p in group["params"] if p.requires_grad]
+    if not grads or any(grad is None for grad in grads):
+        return False
+    local = [grad.to_local() if hasattr(grad, "to_local") else grad for grad in grads]  # no collective on a DTensor
+    return not bool(
+        torch.stack([t.detach().abs().amax().float() if t.numel() else t.new_zeros(()) for t in local]).any()
+    )
 
 
 @contextmanager
@@ -90,6 +100,7 @@ def own_backward(fabric: Any) -> Iterator[Callable[..., Any]]:
     word). The Fabric instance's own attribute shadows its method for the block's duration only.
     """
     own = fabric.backward
+    shadowed = "backward" in vars(fabric)  # the user's own attribute (a wrapper), put back after the block
 
     def refused(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
@@ -103,5 +114,8 @@ def own_backward(fabric: Any) -> Iterator[Callable[..., Any]]:
     try:
         yield own
     finally:
-        if fabric.__dict__.get("backward") is refused:
-            del fabric.backward
+        if vars(fabric).get("backward") is refused:
+            if shadowed:
+                fabric.backward = own
+            else:
+                del fabric.backward
