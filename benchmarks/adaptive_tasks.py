@@ -2,6 +2,7 @@
 
     python benchmarks/adaptive_tasks.py                   # every task, its seeds; a table and adaptive_tasks.json
     PYTHONPATH=/path/to/other/checkout python benchmarks/adaptive_tasks.py --label before   # another version
+    python benchmarks/adaptive_tasks.py --max-factor 8 --seeds 100 101 102 103   # growth to at most 8
 
 Each task trains one model twice per seed on the same samples in the same order: at factor 1 throughout (``fixed``),
 and with ``AccumulationScheduler(noise_scale=True, adaptive=True, adaptive_max_factor=16)`` from factor 1
@@ -72,7 +73,7 @@ def teacher_data(samples: int, seed: int) -> tuple[Any, Any]:
     return x, y
 
 
-def run(task: str, name: str, seed: int) -> dict[str, Any]:
+def run(task: str, name: str, seed: int, max_factor: int = 16) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -106,7 +107,7 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     pl.seed_everything(seed, verbose=False)
-    options = ADAPTIVE if name == "adaptive" else {}
+    options = {**ADAPTIVE, "adaptive_max_factor": max_factor} if name == "adaptive" else {}
     callback = AccumulationScheduler(lr_scaling=rule, base_batch_size=MICRO, log_metrics=False, **options)
     shuffle = torch.Generator().manual_seed(seed)
     train = DataLoader(TensorDataset(*data(samples, seed)), batch_size=MICRO, shuffle=True, generator=shuffle)
@@ -128,8 +129,8 @@ def run(task: str, name: str, seed: int) -> dict[str, Any]:
     return {"steps": trainer.global_step, "loss": held_out, "factor": max(1, factor)}
 
 
-def launch(task: str, name: str, seed: int) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--one", task, name, str(seed)]
+def launch(task: str, name: str, seed: int, max_factor: int) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--one", task, name, str(seed), "--max-factor", str(max_factor)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -143,6 +144,7 @@ def main() -> None:
     parser.add_argument("--label", default="this checkout")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="these seeds for every task")
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
+    parser.add_argument("--max-factor", type=int, default=16, help="adaptive_max_factor")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -151,12 +153,12 @@ def main() -> None:
 
         torch.set_num_threads(1)
         task, name, seed = args.one
-        print("RESULT " + json.dumps(run(task, name, int(seed))), flush=True)
+        print("RESULT " + json.dumps(run(task, name, int(seed), args.max_factor)), flush=True)
         return
     seeds = {task: args.seeds or TASKS[task][1] for task in args.tasks}
     jobs = [(task, name, seed) for task in args.tasks for seed in seeds[task] for name in ("fixed", "adaptive")]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: launch(*job), jobs))
+        results = list(pool.map(lambda job: launch(*job, args.max_factor), jobs))
     rows = []
     for task in args.tasks:
         fixed = {r["seed"]: r for r in results if r["task"] == task and r["run"] == "fixed"}

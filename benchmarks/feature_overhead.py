@@ -1,6 +1,6 @@
 """The callback's own cost: each feature against stock Lightning and a raw PyTorch loop, side by side in one run.
 
-    python benchmarks/feature_overhead.py          # three tables, writes feature_overhead.json
+    python benchmarks/feature_overhead.py          # four tables, writes feature_overhead.json
 
 1. Fixed overhead, on a tiny model where it dominates (Linear(32, 32), micro-batch 8, factor 4, 300 optimizer steps,
    a CSVLogger with Lightning's default ``log_every_n_steps``): stock ``Trainer(accumulate_grad_batches=4)``, the
@@ -15,6 +15,9 @@
    minus off).
 3. The compute-bound MLP of the other benchmarks (4 x Linear(1024, 1024), micro-batch 64): logging against stock,
    the noise scale with its default sampling and on every window against the callback with nothing on.
+4. A logged step (``--only logged-step``): on the tiny model logging every optimizer step through a CSVLogger and a
+   TensorBoardLogger, the time the metrics feature takes at each logged step against the time the logger's own calls
+   inside it take (``log_metrics``, the Custom Scalars layout): what the callback adds to the writes it asks for.
 
 Times are of the training loop from its third window to its end, per micro-step: what a fit pays once (hooks
 registered, buffers allocated, a full garbage collection the objects made then may set off) is left out. Every
@@ -197,14 +200,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument(
-        "--only", choices=("tiny", "tensors", "compute-bound"), nargs="+", default=None, help="run only these tables"
+        "--only",
+        choices=("tiny", "tensors", "compute-bound", "logged-step"),
+        nargs="+",
+        default=None,
+        help="run only these tables",
     )
+    parser.add_argument("--logged-step", default=None, help=argparse.SUPPRESS)  # one logger's run, for its table
     parser.add_argument("--measure", type=json.loads, default=None, help=argparse.SUPPRESS)  # one run, for isolated()
     args = parser.parse_args()
     if args.measure is not None:
         logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
         warnings.filterwarnings("ignore")
         print(measure(args.measure))
+        return
+    if args.logged_step is not None:
+        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore")
+        print(json.dumps(logged_step(args.logged_step)))
         return
     results: dict[str, Any] = {"version": lightning_accum.__version__, "torch_threads": torch.get_num_threads()}
     tables = set(args.only or ("tiny", "tensors", "compute-bound"))
@@ -214,6 +227,8 @@ def main() -> None:
         results["noise_per_tensor"] = tensors_table(args.rounds)
     if "compute-bound" in tables:
         results["compute_bound"] = compute_bound_table(args.rounds)
+    if "logged-step" in tables:
+        results["logged_step"] = logged_step_table(args.rounds)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "feature_overhead.json" if args.only is None else f"feature_overhead_{'_'.join(sorted(tables))}.json"
     (args.out / name).write_text(json.dumps(results, indent=2))
@@ -319,6 +334,91 @@ def compute_bound_table(count: int) -> dict[str, Any]:
     print("| --- | ---: | --- |")
     for name, row in rows.items():
         print(f"| {name} | {row['median']:.3f} | {row['min']:.3f} to {row['max']:.3f} |")
+    return rows
+
+
+def logged_step(kind: str) -> dict[str, float]:
+    """Per logged step, in microseconds (the median over the steps of the fastest of 2 fits after a warm-up): the
+    metrics feature's ``window_closed`` and, inside it, the logger's own calls."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_accum.features import Metrics
+
+    feature: list[float] = []
+    writes: list[float] = []
+    inner = Metrics.window_closed
+
+    def timed_feature(self: Metrics, ctx: Any) -> None:
+        start = time.perf_counter()
+        inner(self, ctx)
+        feature.append(time.perf_counter() - start)
+
+    def timed(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                writes[-1] += time.perf_counter() - start
+
+        return call
+
+    Metrics.window_closed = timed_feature  # type: ignore[method-assign]
+    net, width, micro_batch, steps = MODELS["tiny"]
+    data = loader(width, micro_batch, steps)
+    best: dict[str, float] | None = None
+    for _ in range(3):
+        feature.clear()
+        writes.clear()
+        with tempfile.TemporaryDirectory() as logs:
+            logger = CSVLogger(logs) if kind == "csv" else TensorBoardLogger(logs)
+            logger.log_metrics = timed(logger.log_metrics)  # type: ignore[method-assign]
+            if kind == "tensorboard":
+                logger.experiment.add_custom_scalars = timed(logger.experiment.add_custom_scalars)
+
+            class Writes(pl.Callback):  # a slot per optimizer step for the logger's time inside the feature
+                def on_before_optimizer_step(self, *_: Any) -> None:
+                    writes.append(0.0)
+
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                max_epochs=1,
+                logger=logger,
+                log_every_n_steps=1,
+                callbacks=[AccumulationScheduler({0: FACTOR}), Writes()],
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+            )
+            trainer.fit(Model(net()), data)
+        pairs = list(zip(feature, writes, strict=True))[2:]  # the first two steps write the layout and the summary
+        row = {
+            "feature_us": statistics.median(f for f, _ in pairs) * 1e6,
+            "logger_us": statistics.median(w for _, w in pairs) * 1e6,
+            "ratio": statistics.median(f / w for f, w in pairs),
+        }
+        if best is None or row["feature_us"] < best["feature_us"]:
+            best = row
+    assert best is not None
+    return best
+
+
+def logged_step_table(count: int) -> dict[str, Any]:
+    """:func:`logged_step` for each logger, once per round in a fresh interpreter; the median over the rounds."""
+    rows: dict[str, Any] = {}
+    print("\n| logger, logging every step | metrics feature per logged step | the logger's calls in it | ratio |")
+    print("| --- | ---: | ---: | ---: |")
+    for kind in ("csv", "tensorboard"):
+        runs = []
+        for _ in range(count):
+            command = [sys.executable, str(Path(__file__).resolve()), "--logged-step", kind]
+            done = subprocess.run(command, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"logged step, {kind}: exit code {done.returncode}:\n{done.stderr[-4000:]}")
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        row = {key: statistics.median(run[key] for run in runs) for key in ("feature_us", "logger_us", "ratio")}
+        rows[kind] = {**row, "runs": runs}
+        print(f"| {kind} | {row['feature_us']:.0f} us | {row['logger_us']:.0f} us | {row['ratio']:.2f} |")
     return rows
 
 

@@ -106,12 +106,21 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"accum/memory_rss_mb": resident_bytes() / _MB}
 
 
+_STATM: list[int] = []  # [pid, file descriptor of /proc/<pid>/statm], opened once per process
+
+
 def resident_bytes() -> int:
-    """This process's resident memory in bytes (Linux; elsewhere its peak, the best the standard library offers)."""
+    """This process's resident memory in bytes (Linux; elsewhere its peak, the best the standard library offers).
+
+    ``/proc/<pid>/statm`` is opened once per process and read again from its start at each call (an ``open`` at every
+    logged step cost more than the read); a forked child opens its own.
+    """
     try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        pid = os.getpid()
+        if not _STATM or _STATM[0] != pid:
+            _STATM[:] = [pid, os.open(f"/proc/{pid}/statm", os.O_RDONLY)]
+        return int(os.pread(_STATM[1], 128, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
         return peak_resident_bytes()
 
 

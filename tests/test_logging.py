@@ -54,6 +54,31 @@ def test_every_listed_tag_is_logged_once_per_optimizer_step_with_its_value(tmp_p
     assert _values(events, "accum/lr_scale") == [1, 1, 1, 2, 2, 2, 1]
     assert _values(events, "accum/lr") == pytest.approx([0.1, 0.1, 0.1, 0.2, 0.2, 0.2, 0.1])
     assert all(value > 0 for value in _values(events, "accum/memory_rss_mb"))
+    # the run's constants: with the first logged step only
+    assert [(e.step, e.value) for e in events.Scalars("accum/micro_batch_size")] == [(1, 4.0)]
+    assert [(e.step, e.value) for e in events.Scalars("accum/world_size")] == [(1, 1.0)]
+
+
+def test_the_dashboard_layout_is_built_when_a_quantity_first_appears_and_at_no_other_logged_step(tmp_path, monkeypatch):
+    """Rebuilding the Custom Scalars layout at every logged step took about a third of the metrics feature's time
+    there (issue 46): it is built with the first logged step, and again only when a quantity appears later."""
+    import lightning_accum.features.metrics as metrics
+
+    built = []
+
+    def counted(tags):
+        built.append(set(tags))
+        return layout(tags)
+
+    layout = metrics.tensorboard_layout
+    monkeypatch.setattr(metrics, "tensorboard_layout", counted)
+    x, y = make_data(64)
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    callback = AccumulationScheduler({0: 2}, noise_scale=True, noise_scale_interval=5)
+    trainer([callback], max_epochs=1, logger=logger, log_every_n_steps=1).fit(RegressionModule(), loader(x, y, 4))
+    assert len(built) == 2  # 8 logged steps: the first, and the 5th, where the noise scale's first estimate appears
+    assert "accum/noise_scale" not in built[0]
+    assert "accum/noise_scale" in built[1]
 
 
 def test_window_loss_is_the_mean_over_the_window(tmp_path):

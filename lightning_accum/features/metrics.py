@@ -4,8 +4,9 @@ Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's val
 with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
 in one call per logger, every ``log_every_n_steps`` optimizer steps (published as ``ctx.log_every`` at ``FIT_START``,
 read by item weighting, which checks its device counts on the logged steps); what the device holds is read to the host
-in one read, on a logged step only. With the first logged step it writes the Custom Scalars layout (again when a
-quantity appears later, such as the noise scale's first estimate), and at ``FIT_START`` the run's summary line (the
+in one read, on a logged step only; the run's constants (micro-batch size, world size) with the first logged step
+only. With the first logged step it writes the Custom Scalars layout (again only when a quantity appears later, such
+as the noise scale's first estimate: no other logged step builds it), and at ``FIT_START`` the run's summary line (the
 other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line of its own above the
 progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
 LR scale, it adds an entry saying what changed, at which optimizer step and sample. The progress bar shows the factor
@@ -22,6 +23,9 @@ from typing_extensions import override
 from lightning_accum._lightning import is_tensorboard
 from lightning_accum.events import Context, Feature
 from lightning_accum.monitor import StepRecord, batch_summary, memory_metrics, step_metrics, tensorboard_layout
+
+CONSTANTS = ("accum/micro_batch_size", "accum/world_size")
+"""What does not change within a fit: logged with its first logged step only."""
 
 
 class Metrics(Feature):
@@ -115,19 +119,25 @@ class Metrics(Feature):
             seconds=time.perf_counter() - self._started,
         )
         device = getattr(ctx.module, "device", torch.device("cpu"))
-        metrics = {**step_metrics(record), **memory_metrics(device), **ctx.metrics}
+        steps = step_metrics(record)
+        if self._tags:  # the run's constants were logged with its first logged step (a split size that changes, the
+            for name in CONSTANTS:  # micro-batcher's, comes with ctx.metrics)
+                steps.pop(name, None)
+        metrics = {**steps, **memory_metrics(device), **ctx.metrics}
         metrics.update((name, value) for name, value in read.items() if not name.startswith("_"))
         for logger in loggers:
             logger.log_metrics(metrics, step=ctx.optimizer_steps)
-        # written with the first logged step, and again when a quantity appears later (the noise scale's first
+        # written with the first logged step, and again only when a quantity appears later (the noise scale's first
         # measured window): TensorBoard shows the run's latest layout
-        self._tags.update(metrics)
-        layout = tensorboard_layout(self._tags)
-        if layout != self._layout:
-            self._layout = layout
-            for logger in loggers:
-                if is_tensorboard(logger):
-                    logger.experiment.add_custom_scalars(layout)
+        new = metrics.keys() - self._tags
+        if new:
+            self._tags |= new
+            layout = tensorboard_layout(self._tags)
+            if layout != self._layout:
+                self._layout = layout
+                for logger in loggers:
+                    if is_tensorboard(logger):
+                        logger.experiment.add_custom_scalars(layout)
 
     def _window_loss(self, ctx: Context, loss: float | None, items: float) -> float | None:
         if loss is None:
