@@ -503,3 +503,58 @@ def plan_run(
         )
         steps, samples, epoch = steps + epoch_steps, samples + epoch_samples, epoch + 1
     return steps, samples
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Where a loop stops: after the window that reaches its optimizer steps, samples or tokens, whichever comes first.
+
+    Samples and tokens are all ranks' together, over the whole run; ``None``: no bound on that count.
+
+    Example::
+
+        >>> budget = Budget.checked(max_steps=None, max_samples=None, max_tokens=1000, counts_tokens=True)
+        >>> budget.spent(steps=3, samples=96, tokens=999), budget.spent(steps=4, samples=128, tokens=1012)
+        (False, True)
+    """
+
+    steps: int | None = None
+    samples: int | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def checked(cls, max_steps: object, max_samples: object, max_tokens: object, counts_tokens: bool) -> Budget:
+        """The budget of these arguments, each checked (an integer >= 0, or None) and named if wrong.
+
+        Raises:
+            TypeError, ValueError: If an argument is not an integer >= 0 or None; if ``max_tokens`` is given where no
+                tokens are counted (``counts_tokens``: the run counts them, ``unit="token"``).
+        """
+        if max_tokens is not None and not counts_tokens:
+            raise ValueError(
+                f"`max_tokens={max_tokens!r}` stops at the loss-bearing tokens the run counts, and this one counts"
+                " none: give the Accumulator unit='token' (a token-keyed schedule, `scheduling={0: factor}` for a"
+                " fixed one), or use `max_samples`"
+            )
+        steps, samples, tokens = (
+            None if value is None else check_int(name, value, minimum=0)
+            for name, value in (("max_steps", max_steps), ("max_samples", max_samples), ("max_tokens", max_tokens))
+        )
+        return cls(steps, samples, tokens)
+
+    def check_counted(self, samples_per_micro_step: int) -> None:
+        """Refuse a sample budget where the samples are not counted (the micro-batch size is unknown).
+
+        Raises:
+            ValueError: If ``samples`` is set and ``samples_per_micro_step`` is 0: the budget would never be reached.
+        """
+        if self.samples is not None and not samples_per_micro_step:
+            raise ValueError(
+                f"`max_samples={self.samples}` counts samples as micro-batch x ranks, but the micro-batch size could"
+                " not be read from the iterable (it has no `batch_size`): pass `micro_batch_size` to the Accumulator"
+            )
+
+    def spent(self, steps: int, samples: int, tokens: int) -> bool:
+        """Whether the run has reached any of its bounds."""
+        pairs = ((self.steps, steps), (self.samples, samples), (self.tokens, tokens))
+        return any(limit is not None and count >= limit for limit, count in pairs)

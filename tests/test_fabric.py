@@ -695,3 +695,107 @@ def test_a_state_loaded_in_the_same_process_moves_the_token_schedule_back():
     batches = accumulator.batches(DATA)
     next(batches)
     assert accumulator.factor == 1  # at the tokens of the state loaded
+
+
+# ------------------------------------------------------------------ a pretraining loop's budget and LR schedule
+
+
+def _endless() -> Any:
+    """litgpt's CycleIterator over the micro-batches: an iterable without a length or an end."""
+    while True:
+        yield from DATA
+
+
+def _tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["labels"][:, 1:] != -100).sum())  # what the shifted loss bears, counted by hand
+
+
+@pytest.mark.parametrize("budget", ["max_tokens", "max_samples"])
+def test_an_endless_iterable_stops_after_the_window_that_reaches_the_budget(budget):
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(
+        fabric, model, optimizer, scheduling={0: 2}, unit="token", normalize_by="token", shift_labels=True,
+        micro_batch_size=ROWS,  # an endless generator has no `batch_size` to read it from
+    )  # fmt: skip
+    limit = 100 if budget == "max_tokens" else 30
+    taken = []
+    for batch in accumulator.batches(_endless(), **{budget: limit}):
+        with accumulator.micro_step(batch) as micro:
+            micro.backward(mean_loss(model, batch))
+        taken.append(batch)
+        if micro.should_step:
+            optimizer.step()
+            optimizer.zero_grad()
+    counts = [_tokens(batch) if budget == "max_tokens" else ROWS for batch in taken]
+    windows = [sum(counts[i : i + 2]) for i in range(0, len(counts), 2)]
+    assert len(taken) % 2 == 0  # whole windows only
+    assert sum(windows[:-1]) < limit <= sum(windows)  # the window that reached it was the last
+    assert accumulator.optimizer_steps == len(windows)
+    assert accumulator.features["token_count"].tokens_seen == sum(map(_tokens, taken))  # type: ignore[attr-defined]
+    assert accumulator.samples_seen == ROWS * len(taken)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_tokens": 100}, ValueError, r"`max_tokens=100` stops at the loss-bearing tokens .* unit='token'"),
+        ({"max_samples": -1}, ValueError, "`max_samples` must be"),
+        ({"max_samples": 1.5}, TypeError, "`max_samples` must be an integer"),
+        ({"max_samples": 30}, ValueError, r"`max_samples=30` counts samples .* pass `micro_batch_size`"),
+    ],
+)
+def test_a_budget_that_cannot_be_kept_is_refused_naming_it(kwargs, error, match):
+    fabric, model, optimizer = setup()
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 2})
+    with pytest.raises(error, match=match):
+        next(accumulator.batches(_endless(), **kwargs))
+
+
+def test_an_lr_schedule_moved_by_tokens_ends_where_the_token_budget_ends():
+    """litgpt's warmup then cosine, sized in 40 steps over a budget of 400 tokens: moved by the tokens consumed, it
+    stands at 40 x tokens / 400 after each window (computed here by hand), and at its end once the budget is spent,
+    whatever steps the windows took."""
+    import math
+
+    from lightning_accum import SampleDrivenLR
+
+    fabric, model, optimizer = setup(lr=1.0)
+
+    def warmup_cosine(step: int) -> float:
+        return step / 4 if step < 4 else 0.5 * (1 + math.cos(math.pi * (step - 4) / 36))
+
+    schedule = SampleDrivenLR(
+        torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine), steps=40, total=400, unit="token"
+    )
+    accumulator = Accumulator(
+        fabric, model, optimizer, scheduling={0: 3}, unit="token", normalize_by="token", shift_labels=True,
+        lr_scheduler=schedule, log_metrics=False,
+    )  # fmt: skip
+    consumed, seen = 0, []
+    for batch in accumulator.batches(_endless(), max_tokens=400):
+        with accumulator.micro_step(batch) as micro:
+            micro.backward(mean_loss(model, batch))
+        consumed += _tokens(batch)
+        if micro.should_step:
+            seen.append((optimizer.param_groups[0]["lr"], warmup_cosine(min(40, consumed * 40 // 400))))
+            optimizer.step()
+            optimizer.zero_grad()
+            schedule.step()  # the loop's own call, as litgpt makes it: a moved schedule ignores it
+    # the LR the step used is the one the tokens before its window called for; after the last, the schedule's end
+    used = [lr for lr, _ in seen]
+    expected = [1.0 * warmup_cosine(0)] + [called for _, called in seen[:-1]]
+    assert used == pytest.approx(expected)
+    assert consumed >= 400
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(warmup_cosine(40))  # annealed to its end: 0
+
+
+def test_an_lr_scheduler_the_accumulator_cannot_move_is_refused():
+    fabric, model, optimizer = setup()
+    plain = torch.optim.lr_scheduler.LinearLR(optimizer)
+    with pytest.raises(TypeError, match=r"`lr_scheduler` is moved by the samples or tokens .*SampleDrivenLR\("):
+        Accumulator(fabric, model, optimizer, lr_scheduler=plain)
+    other = torch.optim.SGD(TinyLM().parameters(), lr=0.1)
+    from lightning_accum import SampleDrivenLR
+
+    with pytest.raises(TypeError, match="schedules another optimizer than the Accumulator's"):
+        Accumulator(fabric, model, optimizer, lr_scheduler=SampleDrivenLR(torch.optim.lr_scheduler.LinearLR(other)))

@@ -111,3 +111,46 @@ def check_open(what: str, closed: bool) -> None:
     """Refuse ``Accumulator.what`` after ``close()``."""
     if closed:
         raise RuntimeError(f"Accumulator.{what} was called after `close()`: create a new Accumulator")
+
+
+def check_taken(offered: bool) -> None:
+    """Refuse a micro-batch ``batches`` yielded and the loop did not train on (``offered``: it is still on offer)."""
+    if offered:
+        raise RuntimeError(
+            "The micro-batch `accumulator.batches` yielded was not trained on: run each through"
+            " `with accumulator.micro_step(batch) as micro: ...`"
+        )
+
+
+def check_between_windows(what: str, inside_block: bool, window: Window) -> None:
+    """Refuse ``what`` inside a window (a ``micro_step`` block open, or a window not closed)."""
+    if inside_block or not window.closed:
+        raise RuntimeError(
+            f"{what} was called inside a window (micro-step {window.taken} of {window.size}): call it between"
+            " windows, after `optimizer.step()`"
+        )
+
+
+def driven(lr_scheduler: object, optimizer: torch.optim.Optimizer) -> list[tuple[Any, str, int]]:
+    """The Accumulator's ``lr_scheduler`` as the LR schedulers the features move (``Run.lr_schedulers``).
+
+    Raises:
+        TypeError: If ``lr_scheduler`` is not a :class:`~lightning_accum.SampleDrivenLR`, or not over ``optimizer``.
+    """
+    from lightning_accum.sample_driven_lr import SampleDrivenLR
+
+    if lr_scheduler is None:
+        return []
+    if not isinstance(lr_scheduler, SampleDrivenLR):
+        raise TypeError(
+            "`lr_scheduler` is moved by the samples or tokens the run consumes: wrap the scheduler,"
+            f" `lr_scheduler=SampleDrivenLR(scheduler, steps=..., total=...)`, got {lr_scheduler!r}; a scheduler the"
+            " loop steps itself needs no Accumulator argument"
+        )
+    inner = getattr(lr_scheduler.optimizer, "optimizer", lr_scheduler.optimizer)  # a Fabric-wrapped optimizer's
+    if inner is not optimizer:
+        raise TypeError(
+            f"`lr_scheduler` ({type(lr_scheduler.scheduler).__name__}) schedules another optimizer than the"
+            " Accumulator's: create it over the optimizer given to the Accumulator"
+        )
+    return [(lr_scheduler, "step", 1)]

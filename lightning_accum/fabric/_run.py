@@ -51,6 +51,8 @@ class FabricRun(Run):
         epoch: Returns the epoch in progress (calls of ``Accumulator.batches``).
         batches_per_epoch: Returns the loader's length in the epoch in progress (``inf`` when unknown).
         max_steps: Returns the ``max_steps`` of the epoch in progress (``-1``: none).
+        lr_schedulers: ``(scheduler, interval, frequency)`` of the schedulers the features move (the Accumulator's
+            ``lr_scheduler``).
     """
 
     def __init__(
@@ -62,12 +64,14 @@ class FabricRun(Run):
         epoch: Callable[[], int],
         batches_per_epoch: Callable[[], float],
         max_steps: Callable[[], int],
+        lr_schedulers: list[tuple[Any, str, int]] | None = None,
     ) -> None:
         self._fabric = fabric
         self._forward = forward_module
         self._gradient_sync = gradient_sync
         self._log_every = log_every_n_steps
         self._epoch, self._batches, self._max_steps = epoch, batches_per_epoch, max_steps
+        self._lr_schedulers = lr_schedulers or []
 
     @property
     def owner(self) -> str:  # noqa: D102 (Run's)
@@ -88,6 +92,10 @@ class FabricRun(Run):
     @property
     def log_every_n_steps(self) -> int:  # noqa: D102
         return self._log_every
+
+    @property
+    def lr_schedulers(self) -> list[tuple[Any, str, int]]:  # noqa: D102
+        return self._lr_schedulers
 
     @property
     def loggers(self) -> list[Any]:  # noqa: D102

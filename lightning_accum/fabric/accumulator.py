@@ -28,51 +28,36 @@ from lightning.fabric import Fabric
 
 from lightning_accum._lightning import fabric_names
 from lightning_accum.events import Context, Event, Feature, Features
-from lightning_accum.fabric._checks import check_open, check_optimizer, check_shift_labels, claim, early_step
+from lightning_accum.fabric._checks import (
+    check_between_windows,
+    check_open,
+    check_optimizer,
+    check_shift_labels,
+    check_taken,
+    claim,
+    driven,
+    early_step,
+)
 from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window, over_ranks
 from lightning_accum.fabric._run import FabricRun
 from lightning_accum.fabric._setup import data_parallel, loader_batch_size, set_up_model, set_up_optimizer
 from lightning_accum.fabric._shadows import initializes_state, keep_on_load, own_backward
 from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
-from lightning_accum.features import ItemWeighting, LRScaling, Metrics, TokenCount, WideAccumulation
+from lightning_accum.fabric.micro_step import MicroStep
+from lightning_accum.features import (
+    ItemWeighting,
+    LRScaling,
+    Metrics,
+    SampleDrivenSchedules,
+    TokenCount,
+    WideAccumulation,
+)
 from lightning_accum.precision import accumulation_dtype, scale_in_place
-from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
+from lightning_accum.sample_driven_lr import SampleDrivenLR
+from lightning_accum.schedule import Budget, Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
 from lightning_accum.sync import check_gradient_sync, drop_fsdp2_pending_gradients, skip_gradient_sync
 from lightning_accum.window import Window
 from lightning_accum.zero import drop_window
-
-
-class MicroStep:
-    """One micro-batch of a window: its place, and the backward that gives it its exact share of the window's loss.
-
-    Attributes:
-        index: The micro-batch's position in its window, from 0.
-        size: Micro-batches the window holds (its last, short window: what was left of the epoch).
-    """
-
-    def __init__(self, accumulator: Accumulator, index: int, size: int) -> None:
-        self._accumulator = accumulator
-        self.index, self.size = index, size
-        self.loss: torch.Tensor | None = None  # the micro-batch's mean loss, detached, once backward ran
-
-    @property
-    def should_step(self) -> bool:
-        """Whether this micro-batch ends the window: then ``optimizer.step()`` and ``optimizer.zero_grad()``."""
-        return self.index == self.size - 1
-
-    def backward(self, loss: torch.Tensor, reduction: Literal["mean", "sum"] = "mean") -> None:
-        """Backpropagate this micro-batch's share of the window's loss (through ``fabric.backward``).
-
-        Args:
-            loss: The micro-batch's loss: the mean over its own items (``reduction="mean"``, the usual
-                ``cross_entropy``), or their sum (``"sum"``, with ``normalize_by="sample"`` or ``"token"``).
-            reduction: How ``loss`` was reduced over the micro-batch's items.
-
-        Raises:
-            RuntimeError: Outside its ``micro_step`` block, or a second time in it.
-            ValueError: If ``reduction`` is unknown, or ``"sum"`` without item counts to divide by.
-        """
-        self._accumulator._backward(self, loss, reduction)
 
 
 class Accumulator:
@@ -111,6 +96,8 @@ class Accumulator:
             its gradient shard); ``"reduce_scatter"``: as ``"every"``, HSDP's all-reduce across replicas deferred.
         log_metrics: Log the ``accum/...`` metrics through ``fabric.log_dict`` every ``log_every_n_steps`` steps.
         log_every_n_steps: Optimizer steps between two logged steps.
+        lr_scheduler: A :class:`~lightning_accum.SampleDrivenLR` over ``optimizer``, moved after each window to where
+            the samples (or, ``unit="token"``, tokens) consumed put it, so that it ends at its ``total``.
 
     Raises:
         TypeError: If an argument has the wrong type, or ``model`` or ``optimizer`` was not set up by ``fabric``.
@@ -155,6 +142,7 @@ class Accumulator:
         gradient_sync: Literal["last", "every", "reduce_scatter"] = "last",
         log_metrics: bool = True,
         log_every_n_steps: int = 50,
+        lr_scheduler: SampleDrivenLR | None = None,
     ) -> None:
         self._fabric = fabric
         self._model, self._forward = set_up_model(fabric, model)
@@ -173,6 +161,7 @@ class Accumulator:
             ),
             (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
+            (SampleDrivenSchedules(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
         ]
         self._features = Features(feature for feature, enabled in registry if enabled)
@@ -204,6 +193,7 @@ class Accumulator:
             epoch=lambda: self._epoch,
             batches_per_epoch=lambda: self._epoch_length,
             max_steps=lambda: self._max_steps,
+            lr_schedulers=driven(lr_scheduler, self._optimizer),
         )
         self._hooks = [
             self._optimizer.register_step_pre_hook(self._before_step),
@@ -274,7 +264,13 @@ class Accumulator:
 
     # ------------------------------------------------------------------ the windows of an epoch
 
-    def batches(self, iterable: Iterable[Any], max_steps: int | None = None) -> Iterator[Any]:
+    def batches(
+        self,
+        iterable: Iterable[Any],
+        max_steps: int | None = None,
+        max_samples: int | None = None,
+        max_tokens: int | None = None,
+    ) -> Iterator[Any]:
         """The micro-batches of one epoch of ``iterable``, window by window; run each through :meth:`micro_step`.
 
         A window's micro-batches are fetched when it opens (never one of the next window); the epoch's last window
@@ -284,18 +280,24 @@ class Accumulator:
             iterable: A ``DataLoader``, a Fabric loader, or any iterable of batches (an endless one with
                 ``max_steps``).
             max_steps: Stop after the window that completes this optimizer step (counted over the whole run).
+            max_samples: Stop after the window that reaches these samples (all ranks, over the whole run).
+            max_tokens: Stop after the window that reaches these loss-bearing tokens (all ranks, the whole run; litgpt's
+                ``max_tokens``), as ``unit="token"`` counts them.
 
         Raises:
             ValueError: On every rank, if the ranks' loaders differ in length (checked at the epoch's start for sized
-                ones, at each window for the others) or in batch size.
+                ones, at each window for the others) or in batch size; if a budget is negative, or ``max_tokens`` is
+                given where no tokens are counted.
         """
         check_open("batches", self._closed)
-        self._max_steps = -1 if max_steps is None else check_int("max_steps", max_steps, minimum=0)
+        budget = Budget.checked(max_steps, max_samples, max_tokens, counts_tokens="token_count" in self._features)
+        self._max_steps, ctx = -1 if budget.steps is None else budget.steps, self._ctx
         self._start_epoch(iterable)
+        budget.check_counted(ctx.samples_per_micro_step)
         self._in_call = 0  # micro-batches this call took: a sized iterable ends after its length
         iterator = iter(iterable)
         try:
-            while max_steps is None or self._ctx.optimizer_steps < max_steps:
+            while not budget.spent(ctx.optimizer_steps, ctx.samples_seen, ctx.tokens_seen):
                 window = self._fetch(iterator)
                 if not window:  # the iterable ended with a full window
                     self._epoch, self._in_epoch = self._epoch + 1, 0
@@ -303,7 +305,7 @@ class Accumulator:
                 for batch in window:
                     self._offered = batch
                     yield batch
-                    self._check_taken(batch)
+                    check_taken(self._offered is batch)
                 self._finish_window()
                 if self._in_epoch == 0:  # that window ended the epoch
                     break
@@ -407,11 +409,8 @@ class Accumulator:
         self._end_micro_step(micro)
 
     def _sync(self, last: bool) -> AbstractContextManager:
-        if last or isinstance(
-            self._fabric.strategy, fabric_names(self._fabric).DeepSpeedStrategy
-        ):  # DeepSpeed reduces as it accumulates
-            return nullcontext()
-        return skip_gradient_sync(self._forward, self._policy)
+        deepspeed = isinstance(self._fabric.strategy, fabric_names(self._fabric).DeepSpeedStrategy)  # it reduces as
+        return nullcontext() if last or deepspeed else skip_gradient_sync(self._forward, self._policy)  # it accumulates
 
     def _backward(self, micro: MicroStep, loss: torch.Tensor, reduction: str) -> None:
         ctx = self._ctx
@@ -507,24 +506,10 @@ class Accumulator:
     def _after_step(self, *_: Any) -> None:
         self._finish_window()
 
-    # ------------------------------------------------------------------ what every rank must share
-
     # ------------------------------------------------------------------ misuse between windows
 
-    def _check_taken(self, batch: Any) -> None:
-        if self._offered is batch:
-            raise RuntimeError(
-                "The micro-batch `accumulator.batches` yielded was not trained on: run each through"
-                " `with accumulator.micro_step(batch) as micro: ...`"
-            )
-
     def _check_between_windows(self, what: str) -> None:
-        window = self._ctx.window
-        if self._active is not None or not window.closed:
-            raise RuntimeError(
-                f"{what} was called inside a window (micro-step {window.taken} of {window.size}): call it between"
-                " windows, after `optimizer.step()`"
-            )
+        check_between_windows(what, self._active is not None, self._ctx.window)
 
     # ------------------------------------------------------------------ state
 

@@ -60,13 +60,13 @@ def _check(scheduler: SampleDrivenLR, interval: str, frequency: int, ctx: Contex
     """Refuse what would move ``scheduler`` by the wrong measure, before the first step."""
     if scheduler.unit == "token" and (ctx.schedule is None or ctx.schedule.unit != "token"):
         raise ValueError(
-            "SampleDrivenLR(unit='token') moves by the tokens AccumulationScheduler counts: give the callback"
+            f"SampleDrivenLR(unit='token') moves by the tokens {ctx.run.owner} counts: give {ctx.run.owner}"
             " unit='token' (a token-keyed schedule), or use SampleDrivenLR(unit='sample')"
         )
     if scheduler.unit == "sample" and not ctx.samples_per_micro_step:
         raise ValueError(
             "SampleDrivenLR moves by samples, counted as micro-batch x world size, but the micro-batch size could not"
-            " be read from the train dataloader's `batch_size`: pass `micro_batch_size` to AccumulationScheduler"
+            f" be read from the train dataloader's `batch_size`: pass `micro_batch_size` to {ctx.run.owner}"
         )
     unknown = "this run's samples are not known up front (no max_epochs or max_steps, or a loader without a length)"
     if scheduler.total is None and ctx.planned_samples == float("inf"):
