@@ -799,3 +799,30 @@ def test_an_lr_scheduler_the_accumulator_cannot_move_is_refused():
 
     with pytest.raises(TypeError, match="schedules another optimizer than the Accumulator's"):
         Accumulator(fabric, model, optimizer, lr_scheduler=SampleDrivenLR(torch.optim.lr_scheduler.LinearLR(other)))
+
+
+def test_a_fabric_tensorboard_logger_gets_the_callbacks_dashboard_and_summary(tmp_path):
+    """The same ``accum/*`` scalars, Custom Scalars layout and summary text as a Trainer's TensorBoardLogger gets, read
+    back with TensorBoard's own event reader."""
+    from lightning.fabric.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    logger = TensorBoardLogger(tmp_path, name="run", version=0)
+    fabric, model, optimizer = setup(loggers=[logger])
+    accumulator = Accumulator(fabric, model, optimizer, scheduling={0: 4}, micro_batch_size=ROWS, log_every_n_steps=1)
+    train(accumulator, model, optimizer, DATA)
+    logger.finalize("success")
+    events = EventAccumulator(str(tmp_path / "run" / "version_0"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("accum/factor")] == [(1, 4.0), (2, 4.0), (3, 4.0)]
+    assert [e.value for e in events.Scalars("accum/effective_batch_size")] == [12.0, 12.0, 6.0]  # the short window
+    layouts = [
+        layout_pb2.Layout.FromString(t.tensor_proto.string_val[0]) for t in events.Tensors(metadata.CONFIG_SUMMARY_TAG)
+    ]
+    assert len(layouts) == 1  # written once, with the first logged step
+    charts = {chart.title for category in layouts[0].category for chart in category.chart}
+    assert "accum/factor" in str(layouts[0])
+    assert len(charts) >= 5
+    summary = events.Tensors("accum/summary/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert summary == "micro 3 x factor 4 x world 1 = 12 samples; lr 0.5 (not scaled)"

@@ -11,7 +11,7 @@ wrapper is the module Fabric's strategy wrapped (``_FabricModule._forward_module
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,21 +22,6 @@ from lightning_accum._lightning import fabric_names
 from lightning_accum.events import DataParallel, Run
 from lightning_accum.sync import fsdp2_modules
 from lightning_accum.zero import config_stage
-
-
-class FabricLogDict:
-    """A logger for the metrics feature that logs through ``fabric.log_dict`` (every logger Fabric was given).
-
-    Args:
-        fabric: The Fabric whose loggers receive the metrics.
-    """
-
-    def __init__(self, fabric: Fabric) -> None:
-        self._fabric = fabric
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        """Log ``metrics`` at ``step`` through ``fabric.log_dict``."""
-        self._fabric.log_dict(metrics, step=step)
 
 
 class FabricRun(Run):
@@ -99,7 +84,9 @@ class FabricRun(Run):
 
     @property
     def loggers(self) -> list[Any]:  # noqa: D102
-        return [FabricLogDict(self._fabric)] if self._fabric.loggers else []
+        # Fabric's own loggers: the metrics feature logs through each (on rank zero), and writes the dashboard's
+        # Custom Scalars layout and the summary to a TensorBoardLogger among them, as under the Trainer
+        return list(self._fabric.loggers)
 
     @property
     def data_parallel(self) -> DataParallel:  # noqa: D102

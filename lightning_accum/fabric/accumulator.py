@@ -94,7 +94,7 @@ class Accumulator:
             ``"auto"``: float32 where the strategy supports it; ``None``: the parameters' dtype.
         gradient_sync: ``"last"``: one gradient reduction per window; ``"every"``: every micro-step (FSDP keeps only
             its gradient shard); ``"reduce_scatter"``: as ``"every"``, HSDP's all-reduce across replicas deferred.
-        log_metrics: Log the ``accum/...`` metrics through ``fabric.log_dict`` every ``log_every_n_steps`` steps.
+        log_metrics: Log the ``accum/...`` metrics through Fabric's loggers every ``log_every_n_steps`` steps.
         log_every_n_steps: Optimizer steps between two logged steps.
         lr_scheduler: A :class:`~lightning_accum.SampleDrivenLR` over ``optimizer``, moved after each window to where
             the samples (or, ``unit="token"``, tokens) consumed put it, so that it ends at its ``total``.
