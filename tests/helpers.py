@@ -270,6 +270,25 @@ def launch_environment() -> dict[str, str]:
     return {key: value for key, value in _SESSION_ENVIRONMENT.items() if key not in LAUNCHER_VARIABLES}
 
 
+def launch_ranks(script: Path, out: Path, *args: str, limit: int = 300) -> Path:
+    """Run ``script OUT ARGS...`` (ranks that Fabric's or the Trainer's launcher starts) under a hard timeout; ``out``
+    once it succeeded."""
+    # `timeout -s KILL` kills the whole process group (the launcher starts rank 1 as rank 0's child): a hang fails the
+    # test instead of holding the suite
+    done = subprocess.run(
+        ["timeout", "-s", "KILL", str(limit), sys.executable, str(script), str(out), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=launch_environment(),
+    )
+    clues = [line for line in (done.stdout + done.stderr).splitlines() if "Error" in line or "Traceback" in line]
+    where = " ".join([script.name, *args])
+    assert done.returncode != 137, f"{where}: killed after {limit} s: a rank hung; {clues[-20:]}"
+    assert done.returncode == 0, f"{where}: exit {done.returncode}; {clues[-20:]}\n{done.stderr[-4000:]}"
+    return out
+
+
 _LAUNCHES: dict[tuple[str, str], Callable[[Path], Any]] = {}  # (module, fixture name) -> launch
 _STARTED: dict[tuple[str, str], Future[Any]] = {}
 _WAITING: list[tuple[tuple[str, str], Path]] = []  # started, not yet running: the next one first

@@ -14,14 +14,14 @@ import pytest
 from lightning.fabric.strategies import DeepSpeedStrategy
 
 from lightning_accum.fabric import DeepSpeedAccumulationStrategy
-from tests.helpers import launched_ahead
-from tests.test_fabric_distributed import WINDOWS, distance, launch, records
+from tests.helpers import launch_ranks, launched_ahead
+from tests.test_fabric_distributed import WINDOWS, distance, records
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fabric_deepspeed.py"
 
 
 def _launch(out: Path) -> Path:
-    return launch(SCRIPT, out)
+    return launch_ranks(SCRIPT, out)
 
 
 launched = launched_ahead("launched", _launch)

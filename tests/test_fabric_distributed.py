@@ -10,7 +10,6 @@ summed over their supervised tokens and divided by their number.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,32 +19,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fabric_common import TinyLM, make_pairs, micro_batches, reference_snapshots  # noqa: E402
 
-from tests.helpers import launch_environment, launched_ahead  # noqa: E402
+from tests.helpers import launch_ranks, launched_ahead  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fabric_ranks.py"
 WINDOWS = [(0, 3), (3, 6), (6, 8)]  # factor 3 over 8 micro-batches: the last window holds the 2 left
 UNITS = 3  # FSDP2 units: block, head and the root (the embedding)
 
 
-def launch(script: Path, out: Path, limit: int = 300) -> Path:
-    """Run ``script OUT`` (two ranks that Fabric's launcher starts) under a hard timeout; ``out`` once it succeeded."""
-    # `timeout -s KILL` kills the whole process group (Fabric's launcher starts rank 1 as rank 0's child): a hang
-    # fails the test instead of holding the suite
-    done = subprocess.run(
-        ["timeout", "-s", "KILL", str(limit), sys.executable, str(script), str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=launch_environment(),
-    )
-    clues = [line for line in (done.stdout + done.stderr).splitlines() if "Error" in line or "Traceback" in line]
-    assert done.returncode != 137, f"killed after {limit} s: a rank hung; {clues[-20:]}"
-    assert done.returncode == 0, f"exit {done.returncode}; {clues[-20:]}\n{done.stderr[-4000:]}"
-    return out
-
-
 def _launch(out: Path) -> Path:
-    return launch(SCRIPT, out)
+    return launch_ranks(SCRIPT, out)
 
 
 launched = launched_ahead("launched", _launch)

@@ -16,7 +16,6 @@ order as the uninterrupted one, so the weights must be equal bit for bit.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fsdp2_checkpoints import EPOCHS, KINDS  # noqa: E402
 
-from tests.helpers import launch_environment, launched_ahead  # noqa: E402
+from tests.helpers import launch_ranks, launched_ahead  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fsdp2_checkpoints.py"
 STEPS_PER_EPOCH = 3  # each rank's 8 micro-batches at factor 3: windows of 3, 3 and the 2 left
@@ -33,26 +32,9 @@ FIRST = "uninterrupted,saved,trainer_uninterrupted,trainer_saved"
 SECOND = "loaded,trainer_resumed"  # from the checkpoints the first launch wrote
 
 
-def launch(out: Path, modes: str, limit: int = 240) -> None:
-    """Run the script's ``modes`` (two ranks that Fabric's and the Trainer's launchers start) under a hard timeout."""
-    # `timeout -s KILL` kills the whole process group (the launcher starts rank 1 as rank 0's child): a rank that
-    # hangs in a collective the other never issues fails the test instead of holding the suite
-    done = subprocess.run(
-        ["timeout", "-s", "KILL", str(limit), sys.executable, str(SCRIPT), str(out), modes],
-        capture_output=True,
-        text=True,
-        check=False,
-        env=launch_environment(),
-    )
-    clues = [line for line in (done.stdout + done.stderr).splitlines() if "Error" in line or "Traceback" in line]
-    assert done.returncode != 137, f"{modes}: killed after {limit} s: a rank hung; {clues[-20:]}"
-    assert done.returncode == 0, f"{modes}: exit {done.returncode}; {clues[-20:]}\n{done.stderr[-4000:]}"
-
-
 def _launch(out: Path) -> Path:
-    launch(out, FIRST)
-    launch(out, SECOND)
-    return out
+    launch_ranks(SCRIPT, out, FIRST, limit=240)
+    return launch_ranks(SCRIPT, out, SECOND, limit=240)
 
 
 launched = launched_ahead("launched", _launch)

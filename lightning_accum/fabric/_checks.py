@@ -15,6 +15,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_accum._lightning import fabric_names
+from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.schedule import check_bool
 from lightning_accum.window import Window
 
@@ -137,8 +138,6 @@ def driven(lr_scheduler: object, optimizer: torch.optim.Optimizer) -> list[tuple
     Raises:
         TypeError: If ``lr_scheduler`` is not a :class:`~lightning_accum.SampleDrivenLR`, or not over ``optimizer``.
     """
-    from lightning_accum.sample_driven_lr import SampleDrivenLR
-
     if lr_scheduler is None:
         return []
     if not isinstance(lr_scheduler, SampleDrivenLR):

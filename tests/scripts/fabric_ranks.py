@@ -200,18 +200,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fsdp2_token_k3": dict(
         backend="fsdp2", loop=accumulated, data=rank_data, scheduling={0: 3}, normalize_by="token", shift_labels=True
     ),
-    # bf16-true under FSDP2: each unscaled micro-batch gradient weighed in float32 as FSDP2 accumulates it, the
-    # token scale applied to the reduced float32 shards, each rounded once
-    "fsdp2_bf16_k3": dict(
-        backend="fsdp2",
-        loop=accumulated,
-        data=rank_data,
-        precision="bf16-true",
-        scheduling={0: 3},
-        normalize_by="token",
-        shift_labels=True,
-        grad_accum_dtype="float32",
-    ),
     # factor 1: 8 windows, past the first 3 whose counts item weighting reads on the host (the scale stays a tensor)
     "fsdp2_token_k1": dict(
         backend="fsdp2", loop=accumulated, data=rank_data, scheduling={0: 1}, normalize_by="token", shift_labels=True
@@ -229,6 +217,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
         scheduling={0: 3},
     ),
 }
+# bf16-true under FSDP2: each unscaled micro-batch gradient weighed in float32 as FSDP2 accumulates it, the token
+# scale applied to the reduced float32 shards, each rounded once
+CONFIGS["fsdp2_bf16_k3"] = {**CONFIGS["ddp_bf16_k3"], "backend": "fsdp2"}
 
 
 def main() -> None:
