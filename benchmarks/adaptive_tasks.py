@@ -3,6 +3,7 @@
     python benchmarks/adaptive_tasks.py                   # every task, its seeds; a table and adaptive_tasks.json
     PYTHONPATH=/path/to/other/checkout python benchmarks/adaptive_tasks.py --label before   # another version
     python benchmarks/adaptive_tasks.py --max-factor 8 --seeds 100 101 102 103   # growth to at most 8
+    python benchmarks/adaptive_tasks.py --shell fabric --seeds 200 201 202 203      # a Fabric loop's Accumulator
 
 Each task trains one model twice per seed on the same samples in the same order: at factor 1 throughout (``fixed``),
 and with ``AccumulationScheduler(noise_scale=True, adaptive=True, adaptive_max_factor=16)`` from factor 1
@@ -23,7 +24,9 @@ Tasks (micro-batches of 8, nothing shared between seeds but the task's definitio
   into 10 classes, 20% of the labels replaced at random; a two-layer student of width 64, Adam at 1e-3 and the
   square-root rule; held-out cross-entropy on 8,192 fresh samples of the same teacher.
 
-Runs go to subprocesses, ``--jobs`` at a time with one thread each.
+``--shell fabric`` trains the same model, data and order in a Lightning Fabric loop through
+``lightning_accum.fabric.Accumulator`` with the same arguments, instead of the Trainer. Runs go to subprocesses,
+``--jobs`` at a time with one thread each.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def teacher_data(samples: int, seed: int) -> tuple[Any, Any]:
     return x, y
 
 
-def run(task: str, name: str, seed: int, max_factor: int = 16) -> dict[str, Any]:
+def run(task: str, name: str, seed: int, max_factor: int = 16, shell: str = "trainer") -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -108,9 +111,11 @@ def run(task: str, name: str, seed: int, max_factor: int = 16) -> dict[str, Any]
 
     pl.seed_everything(seed, verbose=False)
     options = {**ADAPTIVE, "adaptive_max_factor": max_factor} if name == "adaptive" else {}
-    callback = AccumulationScheduler(lr_scaling=rule, base_batch_size=MICRO, log_metrics=False, **options)
     shuffle = torch.Generator().manual_seed(seed)
     train = DataLoader(TensorDataset(*data(samples, seed)), batch_size=MICRO, shuffle=True, generator=shuffle)
+    if shell == "fabric":
+        return fabric_run(Model(), train, loss_fn, data, seed, {"lr_scaling": rule, **options})
+    callback = AccumulationScheduler(lr_scaling=rule, base_batch_size=MICRO, log_metrics=False, **options)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=EPOCHS,
@@ -129,8 +134,33 @@ def run(task: str, name: str, seed: int, max_factor: int = 16) -> dict[str, Any]
     return {"steps": trainer.global_step, "loss": held_out, "factor": max(1, factor)}
 
 
-def launch(task: str, name: str, seed: int, max_factor: int) -> dict[str, Any]:
+def fabric_run(model: Any, train: Any, loss_fn: Any, data: Any, seed: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The Trainer run's model, loader and arguments in a Fabric loop: ``training_step`` and its optimizer, by hand."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_accum.fabric import Accumulator
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net, optimizer = fabric.setup(model.net, model.configure_optimizers())
+    accumulator = Accumulator(fabric, net, optimizer, base_batch_size=MICRO, log_metrics=False, **options)
+    for _ in range(EPOCHS):
+        for batch in accumulator.batches(train):
+            with accumulator.micro_step(batch) as micro:
+                micro.backward(loss_fn(net(batch[0]), batch[1]))
+            if micro.should_step:
+                optimizer.step()
+                optimizer.zero_grad()
+    x, y = data(8192, 10_000 + seed)
+    with torch.no_grad():
+        held_out = float(loss_fn(model.net(x), y))
+    factor = accumulator.features["adaptive"].factor if "adaptive" in accumulator.features else 1  # type: ignore[attr-defined]
+    return {"steps": accumulator.optimizer_steps, "loss": held_out, "factor": max(1, factor)}
+
+
+def launch(task: str, name: str, seed: int, max_factor: int, shell: str) -> dict[str, Any]:
     command = [sys.executable, __file__, "--one", task, name, str(seed), "--max-factor", str(max_factor)]
+    command += ["--shell", shell]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -145,6 +175,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="these seeds for every task")
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--max-factor", type=int, default=16, help="adaptive_max_factor")
+    parser.add_argument("--shell", choices=["trainer", "fabric"], default="trainer", help="the Trainer or Fabric")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -153,12 +184,12 @@ def main() -> None:
 
         torch.set_num_threads(1)
         task, name, seed = args.one
-        print("RESULT " + json.dumps(run(task, name, int(seed), args.max_factor)), flush=True)
+        print("RESULT " + json.dumps(run(task, name, int(seed), args.max_factor, args.shell)), flush=True)
         return
     seeds = {task: args.seeds or TASKS[task][1] for task in args.tasks}
     jobs = [(task, name, seed) for task in args.tasks for seed in seeds[task] for name in ("fixed", "adaptive")]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: launch(*job, args.max_factor), jobs))
+        results = list(pool.map(lambda job: launch(*job, args.max_factor, args.shell), jobs))
     rows = []
     for task in args.tasks:
         fixed = {r["seed"]: r for r in results if r["task"] == task and r["run"] == "fixed"}

@@ -16,19 +16,16 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum._lightning import TRAINER_PACKAGES, trainer_names
 from lightning_accum._position import count_steps
+from lightning_accum.adaptive import check_needs_noise_scale
 from lightning_accum.events import takes_dataloader_iter
-from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
+from lightning_accum.schedule import Schedule, ScheduleSpec
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.sync import fsdp2_modules
 
 
 def check_arguments(adaptive: object, noise_scale: object, micro_batch_size: object) -> None:
     """Refuse arguments that only make sense together, or a ``micro_batch_size`` string other than ``"auto"``."""
-    if check_bool("adaptive", adaptive) and noise_scale is not True:
-        raise ValueError(
-            f"`adaptive=True` grows the factor from the measured noise scale: set noise_scale=True as well (got"
-            f" noise_scale={noise_scale!r})"
-        )
+    check_needs_noise_scale(adaptive, noise_scale)
     if isinstance(micro_batch_size, str) and micro_batch_size != "auto":
         raise ValueError(f"`micro_batch_size` must be an integer >= 1, 'auto' or None, got {micro_batch_size!r}")
 

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_accum.noise import NoiseScaleEstimate
-from lightning_accum.schedule import check_int
+from lightning_accum.schedule import check_bool, check_int
 
 MIN_MEASUREMENTS = 3.0
 """The effective number of measured windows (:attr:`NoiseScaleEstimate.measurements`) a decision needs."""
@@ -49,6 +49,20 @@ def most_measurements(decay: float) -> float:
         (39.0, 3.0)
     """
     return (1 + decay) / (1 - decay)
+
+
+def check_needs_noise_scale(adaptive: object, noise_scale: object) -> None:
+    """Refuse ``adaptive=True`` without ``noise_scale=True``, whose estimate it acts on.
+
+    Raises:
+        TypeError: If ``adaptive`` is not a bool.
+        ValueError: If ``adaptive`` is on and ``noise_scale`` is not ``True``, naming both.
+    """
+    if check_bool("adaptive", adaptive) and noise_scale is not True:
+        raise ValueError(
+            f"`adaptive=True` grows the factor from the measured noise scale: set noise_scale=True as well (got"
+            f" noise_scale={noise_scale!r})"
+        )
 
 
 def check_evidence(decay: float) -> None:

@@ -64,7 +64,8 @@ class Event(str, Enum):
 
 def takes_dataloader_iter(module: Any) -> bool:
     """Whether ``module.training_step`` fetches its own batches: then no hook sees a batch before its backward."""
-    return module is not None and "dataloader_iter" in inspect.signature(module.training_step).parameters
+    step = getattr(module, "training_step", None)  # a Fabric loop's plain module has none: the loop fetches
+    return step is not None and "dataloader_iter" in inspect.signature(step).parameters
 
 
 def _local_reduce(tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:

@@ -290,10 +290,12 @@ def window_sums(
     first_mean: int,
     reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
     window_items: torch.Tensor | None = None,
+    sharded: bool = False,
 ) -> list[float]:
     """A measured window's sums, over the ranks: ``[sum |g_i|^2, bearing, sum 1 / b_i, micro-batches, parts, |g|^2]``.
 
     ``window_items``, a tensor of the window's items already summed over the ranks, is read with them (last).
+    ``sharded``: each rank holds a shard of the step's gradient (FSDP2), whose squares are summed over the ranks too.
 
     ``bearing`` counts the micro-batches with items, ``parts`` the ranks where a gradient came in parts.
     ``backwards`` holds ``(first entry, loss divisor, items)`` of each micro-batch's backward, ``parts`` whether a
@@ -307,7 +309,7 @@ def window_sums(
     device = entries[0].device if entries else torch.device("cpu")
     dtype = torch.float32 if device.type == "mps" else torch.float64
     squared = torch.stack(entries).to(dtype) if entries else torch.zeros(0, dtype=dtype, device=device)
-    local = torch.zeros(5, dtype=dtype, device=device)
+    local = torch.zeros(6, dtype=dtype, device=device)
     if backwards:
         firsts = [first for first, _, _ in backwards]
         sizes = [end - first for first, end in zip(firsts, [*firsts[1:], first_mean], strict=True)]
@@ -326,9 +328,12 @@ def window_sums(
         local[2] = (bearing / items.clamp(min=1e-12)).sum()
         local[3] = len(backwards)
     local[4] = float(parts)
+    big = squared[first_mean:].sum().reshape(1)
+    if sharded:  # each rank squared its shard of the step's gradient: summed with the rest
+        local[5] = big[0]
     if reduce is not None:
         local = reduce(local, "sum")
-    read = [local, squared[first_mean:].sum().reshape(1)]
+    read = [local[:5], local[5:] if sharded else big]
     if window_items is not None:
         read.append(window_items.detach().to(device=device, dtype=dtype).reshape(1))
     return torch.cat(read).tolist()

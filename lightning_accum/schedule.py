@@ -118,15 +118,15 @@ class Schedule:
         return cls(points=tuple(sorted(points.items())), unit=check_unit(unit))
 
     @classmethod
-    def constant(cls, factor: int) -> Schedule:
-        """A schedule with one factor everywhere.
+    def constant(cls, factor: int, unit: Unit = "step") -> Schedule:
+        """A schedule with one factor everywhere (``unit="token"``: a run that counts tokens, for what reads them).
 
         Example::
 
             >>> Schedule.constant(4).factor_at(10**9)
             4
         """
-        return cls(points=((0, check_int("factor", factor, minimum=1)),), unit="step")
+        return cls(points=((0, check_int("factor", factor, minimum=1)),), unit=unit)
 
     def factor_at(self, position: int) -> int:
         """The factor in force at ``position`` (counted in :attr:`unit`)."""
@@ -263,15 +263,16 @@ def build_schedule(
     """
     if scheduling is not None:
         return Schedule.from_mapping(scheduling, unit)
+    counted: Unit = "token" if unit == "token" else "step"  # a token run's constant factor still counts its tokens
     if target_batch_size is None:
-        return Schedule.constant(1)
+        return Schedule.constant(1, counted)
     if micro_batch_size is None:
         raise ValueError(
             f"`target_batch_size={target_batch_size}` needs the micro-batch size, which could not be read from the"
             " train dataloader's `batch_size`: pass `micro_batch_size`"
         )
     if ramp is None:
-        return Schedule.constant(factor_for_batch_size(target_batch_size, micro_batch_size, world_size))
+        return Schedule.constant(factor_for_batch_size(target_batch_size, micro_batch_size, world_size), counted)
     points, invalid = [], []
     for samples, batch_size in ramp.stages():
         try:

@@ -163,7 +163,8 @@ def test_a_deepspeed_checkpoint_written_inside_a_window_holds_the_configured_lr(
 REFUSED = {
     "noise_scale": (
         "`noise_scale=True` reads each micro-batch's full gradient, which DeepSpeedAccumulationStrategy (ZeRO"
-        " stage 2) reduces inside its own step: use it with a single device or DDP, or set noise_scale=False"
+        " stage 2) reduces inside its own step: use it with a single device, DDP or FSDP2 (`fully_shard`,"
+        " ModelParallelStrategy), or set noise_scale=False"
     ),
     "stock_callback": (  # Lightning's own DeepSpeedStrategy
         "`StockOnCPU` accumulates gradients by itself with one fixed factor, so AccumulationScheduler cannot"

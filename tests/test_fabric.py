@@ -751,10 +751,12 @@ def test_a_budget_that_cannot_be_kept_is_refused_naming_it(kwargs, error, match)
         next(accumulator.batches(_endless(), **kwargs))
 
 
-def test_an_lr_schedule_moved_by_tokens_ends_where_the_token_budget_ends():
+@pytest.mark.parametrize("lr_scaling", ["none", "sqrt"])
+def test_an_lr_schedule_moved_by_tokens_ends_where_the_token_budget_ends(lr_scaling):
     """litgpt's warmup then cosine, sized in 40 steps over a budget of 400 tokens: moved by the tokens consumed, it
     stands at 40 x tokens / 400 after each window (computed here by hand), and at its end once the budget is spent,
-    whatever steps the windows took."""
+    whatever steps the windows took. With LR scaling too, whose scale is taken off after each update (it once put the
+    LR of before the schedule's move back)."""
     import math
 
     from lightning_accum import SampleDrivenLR
@@ -769,7 +771,7 @@ def test_an_lr_schedule_moved_by_tokens_ends_where_the_token_budget_ends():
     )
     accumulator = Accumulator(
         fabric, model, optimizer, scheduling={0: 3}, unit="token", normalize_by="token", shift_labels=True,
-        lr_scheduler=schedule, log_metrics=False,
+        lr_scheduler=schedule, log_metrics=False, lr_scaling=lr_scaling, base_batch_size=ROWS, micro_batch_size=ROWS,
     )  # fmt: skip
     consumed, seen = 0, []
     for batch in accumulator.batches(_endless(), max_tokens=400):

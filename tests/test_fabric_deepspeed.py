@@ -42,6 +42,17 @@ def test_an_engine_that_accumulates_by_itself_is_refused_before_any_step(launche
         assert record["global_steps"] == 0
 
 
+def test_the_noise_scale_and_adaptive_growth_are_refused_when_the_accumulator_is_built(launched):
+    for record in records(launched, "noise_refused"):
+        assert record["raised"] == (
+            "`noise_scale=True` reads each micro-batch's full gradient, which DeepSpeedAccumulationStrategy (ZeRO"
+            " stage 2) reduces inside its own step: use it with a single device, DDP or FSDP2 (`fully_shard`,"
+            " ModelParallelStrategy), or set noise_scale=False"
+        )
+        assert "optimizer_steps" not in record
+        assert record["global_steps"] == 0
+
+
 def test_the_strategy_configures_unmanaged_accumulation_and_refuses_a_config_that_sets_it():
     strategy = DeepSpeedAccumulationStrategy(stage=2)
     assert isinstance(strategy, DeepSpeedStrategy)

@@ -36,3 +36,33 @@ def test_the_example_prints_the_accumulator_on_the_big_batch_and_litgpts_loop_aw
         assert row["accumulator"] <= 1e-5
         assert row["litgpt"] >= 1e-2
         assert f"| {row['epoch']} | {row['accumulator']:.1e} | {row['litgpt']:.1e} |" in printed
+
+
+@pytest.fixture(scope="module")
+def fabric_pretrain():
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import fabric_pretrain
+
+        yield fabric_pretrain
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_the_pretraining_example_compares_four_batch_schedules_at_one_token_budget(fabric_pretrain, capsys):
+    """Tiny sizes: every schedule spends the budget (each run ends at the window that reaches it), the large batch takes
+    about a fourth of the small one's steps, the ramp and adaptive growth fewer than the small one, and the table
+    prints each schedule's means."""
+    tiny = ["--seeds", "0", "--tokens", "40000", "--corpus-bytes", "200000", "--width", "16", "--layers", "1"]
+    rows = fabric_pretrain.main([*tiny, "--heads", "2", "--max-factor", "4", "--context", "32"])
+    printed = capsys.readouterr().out
+    by_name = {row["schedule"]: row for row in rows}
+    assert list(by_name) == ["small", "large", "ramp", "adaptive"]
+    small = by_name["small"]["steps"]
+    assert small == 40000 // (8 * 32) + (40000 % (8 * 32) > 0)  # micro-batches of 8 x 32 tokens, factor 1
+    assert by_name["large"]["steps"] == pytest.approx(small / 4, abs=1)
+    assert by_name["ramp"]["steps"] < small
+    assert by_name["adaptive"]["steps"] <= small
+    for row in rows:
+        assert 0 < row["loss"] < 6  # bytes: ln 256 = 5.5 at chance
+        assert f"| {row['schedule']} | {row['steps']:.0f} | {row['steps_ratio']:.2f} |" in printed

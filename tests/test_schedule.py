@@ -94,3 +94,14 @@ def test_count_optimizer_steps(scheduling, unit, batches, epochs, max_steps, sam
 def test_count_optimizer_steps_needs_a_bound():
     with pytest.raises(ValueError, match="max_epochs"):
         count_optimizer_steps(Schedule.constant(2), 10, max_epochs=-1, max_steps=-1)
+
+
+def test_a_constant_factor_in_a_token_run_keeps_counting_tokens():
+    """``unit="token"`` with no ``scheduling`` (adaptive growth from factor 1, a fixed target batch): the schedule still
+    says tokens, so an LR schedule moved by tokens (SampleDrivenLR(unit="token")) is accepted."""
+    from lightning_accum.schedule import build_schedule
+
+    assert build_schedule(None, "token", None, None, 4, 1).unit == "token"
+    assert build_schedule(None, "token", 32, None, 4, 2).unit == "token"
+    assert build_schedule(None, "token", 32, None, 4, 2).factor_at(10**9) == 4
+    assert build_schedule(None, "epoch", None, None, 4, 1).unit == "step"  # as before

@@ -114,6 +114,24 @@ def check_open(what: str, closed: bool) -> None:
         raise RuntimeError(f"Accumulator.{what} was called after `close()`: create a new Accumulator")
 
 
+def check_entry(nested: bool, offered: bool) -> None:
+    """Refuse a ``micro_step`` block inside another (``nested``), or on a batch ``batches`` did not just offer.
+
+    Raises:
+        RuntimeError: Saying how the blocks go.
+    """
+    if nested:
+        raise RuntimeError(
+            "Accumulator.micro_step was entered inside another `micro_step` block: enter it once per micro-batch,"
+            " around the micro-batch's forward and `micro.backward(loss)`"
+        )
+    if not offered:
+        raise RuntimeError(
+            "Accumulator.micro_step takes the micro-batch `accumulator.batches(loader)` yielded last, once:"
+            " `for batch in accumulator.batches(loader): with accumulator.micro_step(batch) as micro: ...`"
+        )
+
+
 def check_taken(offered: bool) -> None:
     """Refuse a micro-batch ``batches`` yielded and the loop did not train on (``offered``: it is still on offer)."""
     if offered:

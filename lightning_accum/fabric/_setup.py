@@ -1,5 +1,7 @@
 """What the Accumulator takes of a Fabric run: the model and optimizer it set up, its data-parallel group, a loader.
 
+And where the run's strategy keeps a window's gradient, to scale it or to drop it.
+
 Lightning glue. A model or optimizer that this Fabric did not set up is refused before any weight changes; the module
 the strategy wrapped (``DistributedDataParallel``, FSDP1's wrapper, the FSDP2 module, a ``DeepSpeedEngine``) is
 Fabric's private ``_FabricModule._forward_module`` and the wrapper's strategy its ``_strategy`` (no public accessor;
@@ -15,7 +17,10 @@ from lightning.fabric import Fabric
 
 from lightning_accum._lightning import fabric_names, is_fabric
 from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
-from lightning_accum.zero import updating_optimizer
+from lightning_accum.precision import scale_in_place
+from lightning_accum.schedule import Schedule, ScheduleSpec
+from lightning_accum.sync import drop_fsdp2_pending_gradients
+from lightning_accum.zero import drop_window, updating_optimizer
 
 
 def set_up_model(fabric: Fabric, model: Any) -> tuple[Any, torch.nn.Module]:
@@ -70,3 +75,36 @@ def loader_batch_size(iterable: Any) -> int | None:
     sampler = getattr(iterable, "batch_sampler", None)
     size = getattr(iterable, "batch_size", None) or getattr(sampler, "batch_size", None)
     return size if isinstance(size, int) and size > 0 else None
+
+
+def scale_window(fabric: Fabric, wrapped: Any, optimizer: torch.optim.Optimizer, scale: float | torch.Tensor) -> None:
+    """Multiply the window's gradient by ``scale``: ``.grad``, or under DeepSpeed ZeRO's own buffers."""
+    strategy = fabric.strategy
+    if isinstance(strategy, DeepSpeedAccumulationMixin):  # ZeRO holds the window's gradient, not `.grad`
+        strategy.scale_window_gradients(wrapped, scale)
+    else:
+        groups = optimizer.param_groups
+        scale_in_place([p.grad for group in groups for p in group["params"] if p.grad is not None], scale)
+
+
+def drop_pending(fabric: Fabric, wrapped: Any, forward_module: torch.nn.Module) -> None:
+    """Drop what the strategy kept of a window left before its end for its reduction (ZeRO's, FSDP2's)."""
+    if isinstance(fabric.strategy, fabric_names(fabric).DeepSpeedStrategy):
+        drop_window(wrapped)
+    else:
+        drop_fsdp2_pending_gradients(forward_module)
+
+
+def plan_epoch(
+    iterable: Any, spec: ScheduleSpec, schedule: Schedule | None, micro_batch_size: int | None, world_size: int
+) -> tuple[Schedule, int, int]:
+    """The run's schedule, the batches of an epoch of ``iterable`` and the samples of a micro-step (all ranks).
+
+    Raises:
+        TypeError: If ``iterable`` has no length.
+    """
+    if not hasattr(iterable, "__len__"):
+        raise TypeError(f"Counting steps needs a sized iterable (a DataLoader), got {type(iterable).__name__}")
+    size = micro_batch_size or spec.micro_batch_size or loader_batch_size(iterable)
+    schedule = schedule or spec.build(size, world_size)
+    return schedule, len(iterable), (size or 0) * world_size

@@ -27,9 +27,11 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_accum._lightning import fabric_names
+from lightning_accum.adaptive import check_needs_noise_scale
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.fabric._checks import (
     check_between_windows,
+    check_entry,
     check_open,
     check_optimizer,
     check_shift_labels,
@@ -38,26 +40,35 @@ from lightning_accum.fabric._checks import (
     driven,
     early_step,
 )
+from lightning_accum.fabric._parts import LoaderBatch, Piece, check_halves, pieces
 from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window, over_ranks
 from lightning_accum.fabric._run import FabricRun
-from lightning_accum.fabric._setup import data_parallel, loader_batch_size, set_up_model, set_up_optimizer
+from lightning_accum.fabric._setup import (
+    data_parallel,
+    drop_pending,
+    loader_batch_size,
+    plan_epoch,
+    scale_window,
+    set_up_model,
+    set_up_optimizer,
+)
 from lightning_accum.fabric._shadows import initializes_state, keep_on_load, own_backward
-from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
-from lightning_accum.fabric.micro_step import MicroStep
+from lightning_accum.fabric.micro_step import MicroStep, as_mean, check_backward
 from lightning_accum.features import (
+    AdaptiveGrowth,
     ItemWeighting,
     LRScaling,
     Metrics,
+    NoiseScale,
     SampleDrivenSchedules,
     TokenCount,
     WideAccumulation,
 )
-from lightning_accum.precision import accumulation_dtype, scale_in_place
+from lightning_accum.precision import accumulation_dtype
 from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.schedule import Budget, Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
-from lightning_accum.sync import check_gradient_sync, drop_fsdp2_pending_gradients, skip_gradient_sync
+from lightning_accum.sync import check_gradient_sync, skip_gradient_sync
 from lightning_accum.window import Window
-from lightning_accum.zero import drop_window
 
 
 class Accumulator:
@@ -94,6 +105,15 @@ class Accumulator:
             ``"auto"``: float32 where the strategy supports it; ``None``: the parameters' dtype.
         gradient_sync: ``"last"``: one gradient reduction per window; ``"every"``: every micro-step (FSDP keeps only
             its gradient shard); ``"reduce_scatter"``: as ``"every"``, HSDP's all-reduce across replicas deferred.
+        noise_scale: Estimate the gradient noise scale (the critical batch) and log ``accum/noise_scale``.
+        noise_scale_decay: Decay of the estimate's averages per step (and of adaptive's evidence per window), [0, 1).
+        noise_scale_interval: Measure every N-th window (``1``: all); the others cost nothing, logged ones included.
+        adaptive: Set the factor from the noise scale once the evidence calls for it (needs ``noise_scale``); at
+            factor 1 on one process a measured window's loader batch is yielded as its two halves.
+        adaptive_target: The wanted effective batch as a multiple of the noise scale.
+        adaptive_max_factor: The largest factor adaptive growth may reach.
+        adaptive_confidence: One-sided confidence of a factor's first test, spent over its later ones, ``[0.5, 1)``.
+        adaptive_shrink: Let the factor come down again when the noise scale's upper bound falls below the batch.
         log_metrics: Log the ``accum/...`` metrics through Fabric's loggers every ``log_every_n_steps`` steps.
         log_every_n_steps: Optimizer steps between two logged steps.
         lr_scheduler: A :class:`~lightning_accum.SampleDrivenLR` over ``optimizer``, moved after each window to where
@@ -140,6 +160,14 @@ class Accumulator:
         shift_labels: bool = False,
         grad_accum_dtype: str | torch.dtype | None = "auto",
         gradient_sync: Literal["last", "every", "reduce_scatter"] = "last",
+        noise_scale: bool = False,
+        noise_scale_decay: float = 0.95,
+        noise_scale_interval: int = 10,
+        adaptive: bool = False,
+        adaptive_target: float = 1.0,
+        adaptive_max_factor: int = 64,
+        adaptive_confidence: float = 0.9,
+        adaptive_shrink: bool = False,
         log_metrics: bool = True,
         log_every_n_steps: int = 50,
         lr_scheduler: SampleDrivenLR | None = None,
@@ -148,11 +176,11 @@ class Accumulator:
         self._model, self._forward = set_up_model(fabric, model)
         self._wrapped_optimizer, self._optimizer = set_up_optimizer(fabric, optimizer)
         check_shift_labels(shift_labels, count_items, normalize_by, unit)
+        check_needs_noise_scale(adaptive, noise_scale)
         check_optimizer(fabric, self._model, self._optimizer)
         self._policy = check_gradient_sync(gradient_sync)
         log_every = check_int("log_every_n_steps", log_every_n_steps, minimum=1)
-        # the callback's features, each with its switch, in its order; the Trainer-only ones (noise scale, adaptive
-        # growth, sample-driven LR schedules, the progress bar) are left out
+        # the callback's features, each with its switch, in its order (the progress bar, the Trainer's, left out)
         registry: list[tuple[Feature, bool]] = [
             (TokenCount(token_key, ignore_index, count_items, normalize_by, shift_labels), unit == "token"),
             (
@@ -160,6 +188,8 @@ class Accumulator:
                 normalize_by != "micro_batch",
             ),
             (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
+            (NoiseScale(noise_scale_decay, noise_scale_interval, adaptive), check_bool("noise_scale", noise_scale)),
+            (AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink), adaptive),
             (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
             (SampleDrivenSchedules(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
@@ -181,7 +211,7 @@ class Accumulator:
         self._ended: MicroStep | None = None  # the micro-step whose block exited, until its end is dispatched
         self._in_call = 0  # micro-batches taken in the call of `batches` in progress
         self._ends_epoch = False  # the window in progress holds the rest of the epoch
-        self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero, can_split=False)
+        self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero)
         ctx = self._ctx
         ctx.module, ctx.broadcast = self._model.module, lambda obj: fabric.broadcast(obj)
         ctx.reduce = over_ranks(self._group, data_parallel_size)
@@ -195,6 +225,7 @@ class Accumulator:
             max_steps=lambda: self._max_steps,
             lr_schedulers=driven(lr_scheduler, self._optimizer),
         )
+        self._features.dispatch(Event.SETUP, ctx)  # what a feature refuses under this strategy, before any step
         self._hooks = [
             self._optimizer.register_step_pre_hook(self._before_step),
             self._optimizer.register_step_post_hook(self._after_step),
@@ -202,8 +233,10 @@ class Accumulator:
         self._release = claim(self._optimizer)
         self._unshadow_load = keep_on_load(fabric.strategy, Accumulator)  # a sharded fabric.load restores it too
         self._fabric_backward: Callable[..., Any] = fabric.backward
-        # whether the window's gradient is final (its last block exited without error), whether close() was called
-        self._ready, self._closed = False, False
+        self._halves: bool | None = None  # True until the run's first batch is checked for the noise scale's halves
+        self._pieces: list[Piece] = []  # the window's micro-steps (its loader batches, whole or in parts), how many
+        self._begun, self._loader_batch = 0, LoaderBatch()  # begun; a split loader batch's loss and items so far
+        self._ready, self._closed = False, False  # the window's gradient is final (its last block exited); closed
 
     # ------------------------------------------------------------------ what the loop reads
 
@@ -238,7 +271,7 @@ class Accumulator:
     def steps_per_epoch(self, iterable: Iterable[Any]) -> int:
         """The optimizer steps an epoch of ``iterable`` (a sized one) takes from the run's position, short window too.
 
-        Under ``unit="token"`` an upper bound: the factor in force now (a batch's tokens are not known ahead).
+        Under ``unit="token"`` or adaptive growth an upper bound: the schedule's factors (tokens, growth not known).
 
         Example::
 
@@ -255,12 +288,7 @@ class Accumulator:
         return plan_run(schedule, batches, epochs, max_steps, per_micro_step)[0]
 
     def _plan(self, iterable: Iterable[Any]) -> tuple[Schedule, int, int]:
-        """The run's schedule, the batches of an epoch of ``iterable`` and the samples of a micro-step (all ranks)."""
-        if not hasattr(iterable, "__len__"):
-            raise TypeError(f"Counting steps needs a sized iterable (a DataLoader), got {type(iterable).__name__}")
-        size = self._ctx.micro_batch_size or self._spec.micro_batch_size or loader_batch_size(iterable)
-        schedule = self._schedule or self._spec.build(size, self._ctx.world_size)
-        return schedule, len(iterable), (size or 0) * self._ctx.world_size  # type: ignore[arg-type]
+        return plan_epoch(iterable, self._spec, self._schedule, self._ctx.micro_batch_size, self._ctx.world_size)
 
     # ------------------------------------------------------------------ the windows of an epoch
 
@@ -302,16 +330,16 @@ class Accumulator:
                 if not window:  # the iterable ended with a full window
                     self._epoch, self._in_epoch = self._epoch + 1, 0
                     break
-                for batch in window:
-                    self._offered = batch
-                    yield batch
-                    check_taken(self._offered is batch)
+                for piece in window:
+                    self._offered = piece.batch
+                    yield piece.batch
+                    check_taken(self._offered is piece.batch)
                 self._finish_window()
                 if self._in_epoch == 0:  # that window ended the epoch
                     break
         finally:
             self._offered = None
-            if self._active is not None or not self._ctx.window.closed:  # left inside a window (an error, a break)
+            if self._inside_window:  # left inside a window (an error, a break)
                 self._discard_window()
             self._finish_window()
 
@@ -329,11 +357,14 @@ class Accumulator:
             ctx.optimizers, ctx.summary = [self._optimizer], []
             self._features.dispatch(Event.FIT_START, ctx)
             self._features.settle()
+            self._hooks[1].remove()  # the window ends after the features' own post-step hooks (LR scaling's restore)
+            self._hooks[1] = self._optimizer.register_step_post_hook(self._after_step)
+            self._halves = True if ctx.noise_parts > 1 else None  # the noise scale may measure in halves
         if self._in_epoch == 0:
             self._features.dispatch(Event.EPOCH_STARTED, ctx)
 
-    def _fetch(self, iterator: Iterator[Any]) -> list[Any]:
-        """Open the next window with the micro-batches it holds (none: the epoch ended)."""
+    def _fetch(self, iterator: Iterator[Any]) -> list[Piece]:
+        """Open the next window with the micro-steps it holds (none: the epoch ended)."""
         ctx = self._ctx
         ctx.factor = self._scheduled_factor()
         self._features.dispatch(Event.WINDOW_OPENING, ctx)
@@ -343,11 +374,16 @@ class Accumulator:
             agree_on_window(self._fabric, len(window), step=ctx.optimizer_steps + 1)
         # the window that empties the iterable ends the epoch: a short one, or the last of a sized iterable's
         self._ends_epoch = len(window) < ctx.factor or self._in_call + len(window) >= self._epoch_length
+        if window and self._halves is not None:  # the run's first loader batch, where halves may be asked for
+            self._halves = None
+            check_halves(window[0])
+        self._pieces, self._begun = [], 0
         if window:
             ctx.window.open(len(window))
             ctx.summary = []
             self._features.dispatch(Event.WINDOW_OPENED, ctx)
-        return window
+            self._pieces = pieces(window, ctx.noise_parts)  # a measured window of one batch: in halves
+        return self._pieces
 
     def _scheduled_factor(self) -> int:
         ctx, schedule = self._ctx, self._schedule
@@ -371,25 +407,20 @@ class Accumulator:
         """
         ctx = self._ctx
         check_open("micro_step", self._closed)
-        if self._active is not None:
-            raise RuntimeError(
-                "Accumulator.micro_step was entered inside another `micro_step` block: enter it once per micro-batch,"
-                " around the micro-batch's forward and `micro.backward(loss)`"
-            )
-        if self._offered is None or batch is not self._offered:
-            raise RuntimeError(
-                "Accumulator.micro_step takes the micro-batch `accumulator.batches(loader)` yielded last, once:"
-                " `for batch in accumulator.batches(loader): with accumulator.micro_step(batch) as micro: ...`"
-            )
+        check_entry(nested=self._active is not None, offered=self._offered is not None and batch is self._offered)
         self._offered = None
-        ctx.window.take(ends_epoch=False)  # opened with what it holds: closes at its last micro-batch
-        micro = MicroStep(self, ctx.window.taken - 1, ctx.window.size)
+        piece = self._pieces[self._begun]
+        if piece.first:  # the window counts loader batches: opened with what it holds, closes at its last
+            ctx.window.take(ends_epoch=False)
+        micro = MicroStep(self, self._begun, len(self._pieces))
+        self._begun += 1
         ctx.batch, ctx.batch_idx, ctx.last_backward = batch, self._in_epoch, micro.should_step
         ctx.gradient_scale = ctx.window.gradient_correction  # what the window's last backward scales by, if it does
         self._features.dispatch(Event.MICRO_BATCH_STARTED, ctx)
-        ctx.loss_divisor = ctx.window.size
+        share = piece.share if ctx.items is None else 1.0  # item weighting weighs a half by its items
+        ctx.loss_divisor = ctx.window.size / share
         if ctx.weights_in_float32:  # the unscaled loss is backpropagated; its weight goes in with its gradient
-            ctx.micro_weight, ctx.loss_divisor = 1.0 / ctx.window.size, 1.0
+            ctx.micro_weight, ctx.loss_divisor = share / ctx.window.size, 1.0
         self._active = micro
         try:
             with self._sync(last=micro.should_step), own_backward(self._fabric) as backward:
@@ -406,7 +437,7 @@ class Accumulator:
                 f"The `micro_step` block of micro-batch {micro.index} of {micro.size} ended without"
                 " `micro.backward(loss)`: every micro-batch of a window backpropagates its loss"
             )
-        self._end_micro_step(micro)
+        self._end_micro_step(micro, piece)
 
     def _sync(self, last: bool) -> AbstractContextManager:
         deepspeed = isinstance(self._fabric.strategy, fabric_names(self._fabric).DeepSpeedStrategy)  # it reduces as
@@ -414,38 +445,26 @@ class Accumulator:
 
     def _backward(self, micro: MicroStep, loss: torch.Tensor, reduction: str) -> None:
         ctx = self._ctx
-        if self._active is not micro or micro.loss is not None:
-            where = "outside its `micro_step` block" if self._active is not micro else "twice in one `micro_step`"
-            raise RuntimeError(
-                f"micro.backward(loss) was called {where}: call it once, inside"
-                " `with accumulator.micro_step(batch) as micro:`"
-            )
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}")
-        items = ctx.items
-        if reduction == "sum":
-            if items is None:
-                raise ValueError(
-                    "micro.backward(loss, reduction='sum') divides by the micro-batch's items: set"
-                    " normalize_by='sample' or 'token' (or count_items) on the Accumulator"
-                )
-            loss = loss / (items.clamp(min=1) if isinstance(items, torch.Tensor) else max(items, 1.0))
-        if isinstance(items, torch.Tensor):  # a micro-batch without items weighs 0: its mean may be 0 / 0
-            loss = torch.where(items > 0, loss, torch.zeros_like(loss))
+        check_backward(inside=self._active is micro, again=micro.loss is not None)
+        loss = as_mean(loss, reduction, ctx.items)
         micro.loss = loss.detach()
         ctx.loss = loss / ctx.loss_divisor  # a fresh tensor, which the features may re-weigh in place
         self._features.dispatch(Event.BEFORE_BACKWARD, ctx)
         self._fabric_backward(ctx.loss, model=self._model)
         self._features.dispatch(Event.AFTER_BACKWARD, ctx)
 
-    def _end_micro_step(self, micro: MicroStep) -> None:
+    def _end_micro_step(self, micro: MicroStep, piece: Piece) -> None:
         """A micro-step's block exited; the window's last makes the gradient final (its end comes with the step)."""
         ctx = self._ctx
+        if not (piece.first and piece.last):  # a part of a loader batch: the batch ends with its last part
+            self._loader_batch.add(micro.loss, piece.share, ctx.items)
+            if not piece.last:
+                return
         self._ended = micro
-        if ctx.window.closed:
+        if micro.should_step:
             ctx.optimizer, ctx.gradient_scale = self._optimizer, ctx.window.gradient_correction
             self._features.dispatch(Event.WINDOW_CLOSING, ctx)
-            self._scale_gradients(ctx.gradient_scale)
+            scale_window(self._fabric, self._wrapped_optimizer, self._optimizer, ctx.gradient_scale)
             self._features.dispatch(Event.GRADIENT_READY, ctx)
             self._ready = True
         else:
@@ -460,17 +479,12 @@ class Accumulator:
         ctx.micro_steps += 1
         self._in_epoch += 1
         self._in_call += 1
-        ctx.loss = None if micro.loss is None else micro.loss / ctx.window.size
+        loss, whole, self._loader_batch = micro.loss, self._loader_batch, LoaderBatch()
+        if whole.loss is not None:  # a loader batch run in parts: the whole batch's loss and items
+            loss, ctx.items = whole.loss, whole.items if ctx.items is not None else None
+        ctx.loss = None if loss is None else loss / ctx.window.size
         self._features.dispatch(Event.MICRO_BATCH_ENDED, ctx)
         ctx.batch = ctx.loss = None
-
-    def _scale_gradients(self, scale: float | torch.Tensor) -> None:
-        strategy = self._fabric.strategy
-        if isinstance(strategy, DeepSpeedAccumulationMixin):  # ZeRO holds the window's gradient, not `.grad`
-            strategy.scale_window_gradients(self._wrapped_optimizer, scale)
-        else:
-            groups = self._optimizer.param_groups
-            scale_in_place([p.grad for group in groups for p in group["params"] if p.grad is not None], scale)
 
     def _finish_window(self) -> None:
         """The window's step was taken (or skipped by the loop): its last micro-step ends, and the window with it."""
@@ -489,12 +503,9 @@ class Accumulator:
     def _discard_window(self) -> None:
         """Drop a window left before its end: its gradients, and what the strategy kept for its reduction."""
         self._ctx.window.discard()
-        self._ended, self._ready = None, False
+        self._ended, self._ready, self._pieces, self._begun, self._loader_batch = None, False, [], 0, LoaderBatch()
         self._optimizer.zero_grad(set_to_none=True)
-        if isinstance(self._fabric.strategy, fabric_names(self._fabric).DeepSpeedStrategy):
-            drop_window(self._wrapped_optimizer)
-        else:
-            drop_fsdp2_pending_gradients(self._forward)
+        drop_pending(self._fabric, self._wrapped_optimizer, self._forward)
 
     # ------------------------------------------------------------------ the optimizer's step
 
@@ -508,8 +519,13 @@ class Accumulator:
 
     # ------------------------------------------------------------------ misuse between windows
 
+    @property
+    def _inside_window(self) -> bool:
+        """Whether a window is in progress: a block open, micro-steps left, or its step not taken."""
+        return self._active is not None or not self._ctx.window.closed or self._begun < len(self._pieces)
+
     def _check_between_windows(self, what: str) -> None:
-        check_between_windows(what, self._active is not None, self._ctx.window)
+        check_between_windows(what, self._inside_window, self._ctx.window)
 
     # ------------------------------------------------------------------ state
 
@@ -522,13 +538,8 @@ class Accumulator:
         self._check_between_windows("Accumulator.state_dict")
         self._finish_window()
         ctx = self._ctx
-        own = {
-            "epoch": self._epoch,
-            "micro_batches_in_epoch": self._in_epoch,
-            "optimizer_steps": ctx.optimizer_steps,
-            "samples_seen": ctx.samples_seen,
-            "micro_steps": ctx.micro_steps,
-        }
+        own = dict(epoch=self._epoch, micro_batches_in_epoch=self._in_epoch, optimizer_steps=ctx.optimizer_steps)
+        own |= dict(samples_seen=ctx.samples_seen, micro_steps=ctx.micro_steps)
         return {**own, **self._features.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -81,10 +81,12 @@ class AdaptiveGrowth(Feature):
         if 0 < ctx.run.max_steps <= ctx.planned_steps and any(
             isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers
         ):
+            fabric = ctx.run.owner == "Accumulator"
+            bound = "`batches(max_samples=...)` or `max_tokens`" if fabric else "epochs or `limit_train_batches`"
             rank_zero_warn(
-                "AccumulationScheduler: adaptive growth in a run bounded by `max_steps`: the samples such a run"
-                " consumes grow with its factor, so SampleDrivenLR, spread over the samples at the starting factor,"
-                " ends early and holds its last value. Bound the run by epochs or `limit_train_batches` instead"
+                f"{ctx.run.owner}: adaptive growth in a run bounded by `max_steps`: the samples such a run consumes"
+                " grow with its factor, so SampleDrivenLR, spread over the samples at the starting factor, ends early"
+                f" and holds its last value. Bound the run by {bound} instead"
             )
         shrinks = ", shrinking too" if self.policy.shrink else ""
         ctx.summary.append(
@@ -148,7 +150,7 @@ def _decision_line(ctx: Context, current: int, decision: Decision, per_factor: f
     else:
         bound, calls = f"at most {decision.high / target:.4g}", f"calls for no more than factor {decision.factor}"
     return (
-        f"AccumulationScheduler: factor {current} -> {decision.factor} (batch {current * per_factor:.0f} ->"
+        f"{ctx.run.owner}: factor {current} -> {decision.factor} (batch {current * per_factor:.0f} ->"
         f" {decision.factor * per_factor:.0f}) from optimizer step {ctx.optimizer_steps}: the noise scale is {bound}"
         f" ({decision.confidence:.1%} confident), and adaptive_target={target:g} x that {calls}"
     )

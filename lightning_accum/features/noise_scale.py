@@ -1,18 +1,18 @@
 """The gradient noise scale (``noise_scale=True``), measured on sampled windows from the micro-batch gradients.
 
 A window is measured when the optimizer step it ends in is a multiple of ``interval``; a logged step logs the latest
-estimate, whichever window it was measured on. For that window only, each trainable
-parameter gets a gradient hook (``Tensor.register_hook``): it sees the micro-batch's own gradient before autograd adds
-it to ``.grad`` (and, under DDP, before the all-reduce), squares it into an entry of a float32 vector allocated
-beforehand, and lets it go. ``.grad`` is never replaced, aliased or kept, and no tensor made inside a backward outlives
-it (one that did would make glibc page-fault the backward's large allocations afresh: 3.4x the page faults of a raw
-4 x 1024 MLP loop). At the step, the window's mean is squared from ``.grad`` (reduced and normalized, before clipping),
-and the squared norms become the two sums of :mod:`lightning_accum.noise`, whose averages decay per optimizer step
-(not per measured window, which would make them lag ``interval`` times as far); on several ranks the micro-batch sums
-are added over the ranks in one all-reduce, so every rank holds the same estimate. On the other windows nothing runs.
-With ``adaptive`` (adaptive growth acts on it), on one process where the schedule can give factor 1, a measured window
-of one loader batch asks for two halves (``ctx.noise_parts``): the micro-batcher runs each half as a micro-batch, so
-the window has two gradients to compare.
+estimate, whichever window it was measured on. For that window only, each trainable parameter (under FSDP2 its unsharded
+parameter: :mod:`lightning_accum.noise_grads`) gets a gradient hook (``Tensor.register_hook``): it sees the
+micro-batch's own gradient before autograd accumulates it (and before any reduction across ranks), squares it into an
+entry of a float32 vector allocated beforehand, and lets it go. ``.grad`` is never replaced, aliased or kept, and no
+tensor made inside a backward outlives it (one that did would make glibc page-fault the backward's large allocations
+afresh: 3.4x the page faults of a raw 4 x 1024 MLP loop). At the step, the window's mean is squared from ``.grad``
+(reduced and normalized, before clipping), and the squared norms become the two sums of :mod:`lightning_accum.noise`,
+whose averages decay per optimizer step (not per measured window, which would make them lag ``interval`` times as far);
+on several ranks the micro-batch sums are added over the ranks in one all-reduce (with FSDP2's shard squares), so every
+rank holds the same estimate. On the other windows nothing runs. With ``adaptive``, on one process where the schedule
+can give factor 1, a measured window of one loader batch asks for two halves (``ctx.noise_parts``), run as two
+micro-batches (the Trainer's micro-batcher, the Accumulator's ``batches``), so the window has two gradients to compare.
 
 Reads ``ctx.items`` and ``ctx.window_items`` (item weighting; a tensor is read with the window's sums); publishes
 ``ctx.noise`` at ``FIT_START`` and at each measured window's ``GRADIENT_READY``, ``ctx.noise_parts`` at ``FIT_START``
@@ -32,6 +32,7 @@ from lightning_accum.adaptive import check_evidence
 from lightning_accum.events import Context, Feature, takes_dataloader_iter
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseMeasurement, NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
+from lightning_accum.noise_grads import check_strategy, micro_batch_leaves, sharded, square_into, step_params
 from lightning_accum.schedule import check_int
 
 
@@ -40,8 +41,8 @@ class NoiseScale(Feature):
 
     Logs ``accum/noise_scale`` (in samples, or tokens under ``normalize_by="token"``), ``accum/noise_grad_sq``,
     ``accum/noise_trace``, ``accum/noise_scale_to_batch`` (the noise scale over the latest measured batch) and
-    ``accum/noise_measurements`` (the effective number of measured windows behind it). Under DDP the small batch is
-    one rank's micro-batch and the big batch the global window.
+    ``accum/noise_measurements`` (the effective number of measured windows behind it). Under DDP and FSDP2 the small
+    batch is one rank's micro-batch and the big batch the global window.
 
     Args:
         decay: Decay of the moving averages that smooth the two estimates, per optimizer step, in ``[0, 1)``: a
@@ -56,8 +57,8 @@ class NoiseScale(Feature):
     Raises:
         TypeError: If ``interval`` is not an integer.
         ValueError: If ``decay`` is outside ``[0, 1)`` or ``interval`` below 1; with ``adaptive``, if the two could
-            never hold the evidence it needs (:func:`~lightning_accum.adaptive.check_evidence`); at ``setup``, under a
-            strategy that shards parameters, whose hooks see only shards.
+            never hold the evidence it needs (:func:`~lightning_accum.adaptive.check_evidence`); under DeepSpeed or
+            FSDP1, whose micro-batch gradients no hook sees whole.
 
     Example::
 
@@ -98,6 +99,8 @@ class NoiseScale(Feature):
         self._parts = False  # whether a parameter's gradient came in parts in a backward of this window
         self._backwards: list[tuple[int, Any, Any]] = []  # (first entry, loss divisor, items) of each backward
         self._halves = False  # whether measured windows of one loader batch are split in two halves (this fit)
+        self._measuring = False  # whether the window in progress is measured and not hooked yet
+        self._sharded = False  # whether the step's gradients are shards (FSDP2), their squares summed over the ranks
 
     @property
     def estimate(self) -> NoiseScaleEstimate:
@@ -112,17 +115,11 @@ class NoiseScale(Feature):
 
     @override
     def setup(self, ctx: Context) -> None:
-        parallel = ctx.run.data_parallel
-        if parallel.wrapper == "deepspeed" or parallel.shards_parameters:
-            deepspeed = f"(ZeRO stage {parallel.zero_stage}) reduces inside its own step"
-            raise ValueError(
-                f"`noise_scale=True` reads each micro-batch's full gradient, which {parallel.strategy}"
-                f" {deepspeed if parallel.wrapper == 'deepspeed' else 'shards'}: use it with a single device or DDP, or"
-                " set noise_scale=False"
-            )
+        check_strategy(ctx.run.data_parallel, wrapped=False)
 
     @override
     def fit_start(self, ctx: Context) -> None:
+        check_strategy(ctx.run.data_parallel, wrapped=True)
         self.measurement = None
         ctx.noise = self._reading()
         # one process: a window of one loader batch has a single gradient, so measured ones are split in two halves
@@ -139,7 +136,7 @@ class NoiseScale(Feature):
             if not takes_dataloader_iter(ctx.module):
                 why = "the training step couples its batch's rows (`lightning_accum.cached`): its batch is never split"
             rank_zero_warn(
-                f"AccumulationScheduler: {why}, so a window of one loader batch cannot be measured in two halves: the"
+                f"{ctx.run.owner}: {why}, so a window of one loader batch cannot be measured in two halves: the"
                 " noise scale is measured only on windows of factor 2 or more"
             )
 
@@ -156,10 +153,15 @@ class NoiseScale(Feature):
         step = ctx.optimizer_steps + 1  # the step this window ends in
         measured = step % self.interval == 0
         ctx.noise_parts = 2 if measured and self._halves and ctx.window.size == 1 else 1
-        if measured:
-            self._params = [param for param in ctx.module.parameters() if param.requires_grad]
-            self._hooks = [p.register_hook(functools.partial(self._add, i)) for i, p in enumerate(self._params)]
-            self._reserve(len(self._params) * (ctx.window.size + 1), self._params[0].device)
+        self._measuring = measured  # hooked at its first backward (FSDP2 makes unsharded parameters in the forward)
+
+    def _hook(self, ctx: Context) -> None:
+        self._measuring = False
+        leaves, complete = micro_batch_leaves(ctx.module)
+        if complete and leaves:
+            self._params, self._sharded = step_params(ctx.module), sharded(ctx.module)
+            self._hooks = [leaf.register_hook(functools.partial(self._add, i)) for i, leaf in enumerate(leaves)]
+            self._reserve(len(leaves) * ctx.window.size * ctx.noise_parts + len(self._params), leaves[0].device)
 
     def _reserve(self, count: int, device: torch.device) -> None:
         """At least ``count`` entries, those written kept (room grows by doubling, rarely inside a backward)."""
@@ -172,8 +174,10 @@ class NoiseScale(Feature):
 
     @override
     def before_backward(self, ctx: Context) -> None:
+        if self._measuring:
+            self._hook(ctx)
         if self._hooks:
-            self._recording, self._seen = True, bytearray(len(self._params))
+            self._recording, self._seen = True, bytearray(len(self._hooks))
             self._backwards.append((self._count, ctx.loss_divisor, _items(ctx)))
 
     def _add(self, index: int, grad: torch.Tensor) -> None:
@@ -189,16 +193,7 @@ class NoiseScale(Feature):
         """Write the squared norm of ``grad`` into the next entry: one reduction, in float32."""
         if self._count == len(self._entries):
             self._reserve(self._count + 1, self._entries[0].device)
-        if grad.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
-            grad = grad.detach()
-        if grad.is_sparse:  # an embedding's sparse gradient: its entries, each index once
-            grad = grad.coalesce().values()
-        flat = grad.reshape(-1) if grad.dtype is torch.float32 else grad.reshape(-1).float()
-        entry = self._entries[self._count]
-        if flat.device == entry.device:
-            torch.dot(flat, flat, out=entry)
-        else:  # a parameter on another device than the first trainable one
-            entry.copy_(torch.dot(flat, flat))
+        square_into(grad, self._entries[self._count])
         self._count += 1
 
     @override
@@ -219,13 +214,13 @@ class NoiseScale(Feature):
         reduce = ctx.reduce if ctx.world_size > 1 else None
         counted = ctx.window_items if isinstance(ctx.window_items, torch.Tensor) else None
         small, bearing, inverse, micro_batches, in_parts, big_sq, *items = window_sums(
-            backwards, parts, entries, first_mean, reduce, counted
+            backwards, parts, entries, first_mean, reduce, counted, self._sharded
         )
         if in_parts:
             if not self._warned:
                 self._warned = True
                 rank_zero_warn(
-                    "AccumulationScheduler: a parameter's gradient reached its hook in parts within one backward"
+                    f"{ctx.run.owner}: a parameter's gradient reached its hook in parts within one backward"
                     " (reentrant activation checkpointing of a layer used more than once): the noise scale cannot"
                     " square it whole and skips such windows. Use `checkpoint(..., use_reentrant=False)`"
                 )
@@ -269,7 +264,7 @@ class NoiseScale(Feature):
         for hook in self._hooks:
             hook.remove()
         self._params, self._hooks, self._backwards, self._count = [], [], [], 0
-        self._recording = self._parts = False
+        self._recording = self._parts = self._measuring = False
 
     @override
     def state_dict(self) -> dict[str, Any]:

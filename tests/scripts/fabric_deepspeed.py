@@ -56,7 +56,7 @@ def full_weights(model: torch.nn.Module) -> dict[str, list[float]]:
     }
 
 
-def run(out: Path, name: str, strategy: Any) -> None:
+def run(out: Path, name: str, strategy: Any, **options: Any) -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     net = TinyLM()
@@ -64,7 +64,14 @@ def run(out: Path, name: str, strategy: Any) -> None:
     record: dict[str, Any] = {}
     try:
         accumulator = Accumulator(
-            fabric, model, optimizer, scheduling={0: 3}, normalize_by="token", shift_labels=True, log_metrics=False
+            fabric,
+            model,
+            optimizer,
+            scheduling={0: 3},
+            normalize_by="token",
+            shift_labels=True,
+            log_metrics=False,
+            **options,
         )
         for batch in accumulator.batches(rank_data(fabric.global_rank)):
             with accumulator.micro_step(batch) as micro:
@@ -86,6 +93,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     run(out, "zero2_token_k3", DeepSpeedAccumulationStrategy(stage=2))
     run(out, "stock_refused", StockOnCPU(stage=2))
+    # the noise scale reads each micro-batch's gradient, which the engine reduces inside its own step
+    run(out, "noise_refused", DeepSpeedAccumulationStrategy(stage=2), noise_scale=True, adaptive=True)
     torch.distributed.barrier()  # every rank has written its records
     sys.stdout.flush()
     sys.stderr.flush()

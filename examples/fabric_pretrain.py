@@ -1,0 +1,234 @@
+"""Pretraining in a Lightning Fabric loop in the style of litgpt's ``pretrain.py``: batch-size schedules at one budget.
+
+litgpt's pretraining loop, with ``lightning_accum.fabric.Accumulator`` in place of its accumulation lines: an endless
+``CycleIterator`` over a shuffled loader, a token budget (``batches(..., max_tokens=...)``) and a warmup-then-cosine
+LR schedule moved by the tokens consumed (``SampleDrivenLR(..., unit="token")``), so that it ends where the budget
+ends whatever factors the windows had; every target token weighs the same (``normalize_by="token"``). The model is
+the repository's byte-level transformer (``examples/byte_lm.py``), trained on the Python standard library's own
+sources (no download; the last tenth held out).
+
+Four batch-size schedules, each from the same weights on the same token budget and the same order of micro-batches:
+
+- ``small``: factor 1 throughout, the sample-efficient baseline;
+- ``large``: factor ``--max-factor`` throughout;
+- ``ramp``: the global batch ramped by hand from one micro-batch to ``--max-factor`` over the first half of the
+  budget (the ``ramp_*`` arguments; Merrill et al.'s batch-size warmup);
+- ``adaptive``: from factor 1, grown by the gradient noise scale (``noise_scale=True, adaptive=True``, every second
+  window measured, at most ``--max-factor``); at factor 1 a measured window's batch is yielded as its two halves.
+
+Every run has the same peak LR (``--lr-scaling sqrt``: the square-root rule from one micro-batch's batch, as
+``AccumulationScheduler``'s ``lr_scaling`` applies it, so a larger batch gets a larger LR). For each seed and schedule
+it prints the optimizer steps, the held-out loss (mean cross-entropy per byte) and the
+wall time; then each schedule's means over the seeds, with steps and loss as ratios to ``small``::
+
+    python examples/fabric_pretrain.py                     # 3 seeds, about 4 minutes on 2 CPU cores
+    python examples/fabric_pretrain.py --lr-scaling sqrt   # a larger batch's LR times the root of its size
+    python examples/fabric_pretrain.py --seeds 0 --tokens 200000 --width 32 --layers 1   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from torch.nn import functional as F
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from byte_lm import ByteLM, ByteWindows, read_corpus  # noqa: E402
+
+from lightning_accum import SampleDrivenLR  # noqa: E402
+from lightning_accum.fabric import Accumulator  # noqa: E402
+
+SCHEDULES = ("small", "large", "ramp", "adaptive")
+
+
+class CycleIterator:
+    """litgpt's ``CycleIterator``: an iterable that starts over when it ends, forever (its ``epoch`` counts rounds)."""
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self.iterable, self.epoch = iterable, 0
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            yield from self.iterable
+            self.epoch += 1
+
+
+def warmup_then_cosine(warmup: int, steps: int) -> Any:
+    """litgpt's schedule as a multiplier of the peak LR: linear warmup over ``warmup`` steps, then cosine to 0."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def options(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The Accumulator's arguments for one batch-size schedule (the rest is the same for every run)."""
+    if schedule == "small":
+        return {"scheduling": {0: 1}}
+    if schedule == "large":
+        return {"scheduling": {0: args.max_factor}}
+    if schedule == "ramp":  # global batches in sequences; the ramp's length in tokens (unit="token")
+        batch = args.micro_batch
+        return {
+            "target_batch_size": batch * args.max_factor,
+            "ramp_start_batch_size": batch,
+            "ramp_increment": batch,
+            "ramp_samples": args.tokens // 2,
+        }
+    return {
+        "noise_scale": True,
+        "noise_scale_interval": args.noise_scale_interval,
+        "adaptive": True,
+        "adaptive_max_factor": args.max_factor,
+    }
+
+
+def train(schedule: str, seed: int, data: tuple[ByteWindows, ByteWindows], args: argparse.Namespace) -> dict[str, Any]:
+    """One run of litgpt's loop through the Accumulator: its optimizer steps, held-out loss and wall time."""
+    torch.manual_seed(seed)
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = ByteLM(context=args.context, width=args.width, layers=args.layers, heads=args.heads)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model, optimizer = fabric.setup(model, optimizer)
+    order = torch.Generator().manual_seed(seed)  # the same micro-batches in the same order for every schedule
+    loader = DataLoader(data[0], batch_size=args.micro_batch, shuffle=True, generator=order, drop_last=True)
+    lr_steps = 1000  # the schedule's resolution: SampleDrivenLR places it by the tokens consumed
+    lr = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(lr_steps // 20, lr_steps))
+    accumulator = Accumulator(
+        fabric,
+        model,
+        optimizer,
+        unit="token",
+        normalize_by="token",
+        count_items=lambda batch: batch[1].numel(),  # every target byte bears loss
+        micro_batch_size=args.micro_batch,  # litgpt's micro_batch_size: an endless iterator has no batch_size
+        lr_scheduler=SampleDrivenLR(lr, steps=lr_steps, total=args.tokens, unit="token"),
+        lr_scaling=args.lr_scaling,  # from the batch of one micro-batch, the small run's
+        base_batch_size=args.micro_batch,
+        log_metrics=False,
+        **options(schedule, args),
+    )
+    start = time.perf_counter()
+    for batch in accumulator.batches(CycleIterator(loader), max_tokens=args.tokens):
+        inputs, targets = batch
+        with accumulator.micro_step(batch) as micro:
+            logits = model(inputs)
+            micro.backward(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        if micro.should_step:
+            fabric.clip_gradients(model, optimizer, max_norm=1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+    seconds = time.perf_counter() - start
+    factor = accumulator.factor
+    accumulator.close()
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for inputs, targets in DataLoader(data[1], batch_size=64):
+            total += float(F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum"))
+            count += targets.numel()
+    return {"steps": accumulator.optimizer_steps, "loss": total / count, "seconds": seconds, "factor": factor}
+
+
+def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each schedule's means over the seeds; steps and loss also as ratios to ``small`` of the same seed."""
+    small = {r["seed"]: r for r in results if r["schedule"] == "small"}
+    rows = []
+    for schedule in SCHEDULES:
+        runs = [r for r in results if r["schedule"] == schedule]
+        loss_ratios = [r["loss"] / small[r["seed"]]["loss"] for r in runs]
+        rows.append(
+            {
+                "schedule": schedule,
+                "steps": statistics.mean(r["steps"] for r in runs),
+                "steps_ratio": statistics.mean(r["steps"] / small[r["seed"]]["steps"] for r in runs),
+                "loss": statistics.mean(r["loss"] for r in runs),
+                "loss_ratio": statistics.mean(loss_ratios),
+                "loss_ratio_se": statistics.stdev(loss_ratios) / len(runs) ** 0.5 if len(runs) > 1 else 0.0,
+                "seconds": statistics.mean(r["seconds"] for r in runs),
+                "final_factors": [r["factor"] for r in runs],
+            }
+        )
+    return rows
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--tokens", type=int, default=1_000_000, help="the token budget of every run")
+    parser.add_argument("--corpus-bytes", type=int, default=2_000_000, dest="corpus_bytes")
+    parser.add_argument("--context", type=int, default=64, help="bytes per sequence")
+    parser.add_argument("--micro-batch", type=int, default=8, dest="micro_batch", help="sequences per micro-batch")
+    parser.add_argument("--max-factor", type=int, default=8, dest="max_factor", help="the large batch's factor")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument(
+        "--noise-scale-interval",
+        type=int,
+        default=2,
+        dest="noise_scale_interval",
+        help="adaptive: measure every N-th window (2, as examples/configs/lm_adaptive.yaml)",
+    )
+    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate at one micro-batch")
+    parser.add_argument(
+        "--lr-scaling",
+        choices=["none", "sqrt"],
+        default="none",
+        dest="lr_scaling",
+        help="the LR of a larger batch: the same, or times the square root of its size over one micro-batch's",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    args = parse(argv)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    corpus = read_corpus(args.corpus_bytes)
+    split = int(len(corpus) * 0.9)
+    data = (ByteWindows(corpus[:split], args.context), ByteWindows(corpus[split:], args.context))
+    print(f"{args.tokens:,} tokens a run; micro-batches of {args.micro_batch} x {args.context} bytes")
+    print("| seed | schedule | optimizer steps | held-out loss | wall time (s) | final factor |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    results = []
+    for seed in args.seeds:
+        for schedule in SCHEDULES:
+            result = {"seed": seed, "schedule": schedule, **train(schedule, seed, data, args)}
+            results.append(result)
+            print(
+                f"| {seed} | {schedule} | {result['steps']} | {result['loss']:.4f} | {result['seconds']:.1f} |"
+                f" {result['factor']} |",
+                flush=True,
+            )
+    rows = summary(results)
+    print(f"\nmeans over {len(args.seeds)} seeds; steps and held-out loss also over small's, seed by seed")
+    print("| schedule | optimizer steps | steps / small | held-out loss | loss / small (+- s.e.) | wall time (s) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for row in rows:
+        print(
+            f"| {row['schedule']} | {row['steps']:.0f} | {row['steps_ratio']:.2f} | {row['loss']:.4f} |"
+            f" {row['loss_ratio']:.4f} +- {row['loss_ratio_se']:.4f} | {row['seconds']:.1f} |"
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": results, "rows": rows}))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Where the noise scale reads gradients: each micro-batch's whole gradient, and the step's, whole or sharded.
+
+A micro-batch's gradient reaches a tensor hook on the leaf autograd accumulates it into: the parameter itself, or,
+under FSDP2 (``fully_shard``), the unit's unsharded parameter, which holds the rank's whole gradient before the
+reduce-scatter (torch-private ``FSDPParam._unsharded_param``, created at the unit's first all-gather and kept across
+iterations; pinned by ``tests/test_torch_contract.py``). The step's gradient is ``.grad``: whole after DDP's
+all-reduce, a shard (a ``DTensor``) under FSDP2, whose local squares add up over the ranks to the whole square
+(divided by the ranks that hold the same shard, HSDP's replicas). Pure torch: no Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_accum.events import DataParallel
+from lightning_accum.sync import fsdp2_param_groups
+
+
+def check_strategy(parallel: DataParallel, wrapped: bool) -> None:
+    """Refuse DeepSpeed and FSDP1, whose micro-batch gradients no hook sees whole.
+
+    ``wrapped``: the model's wrapper is known (at fit start); before it, a sharding strategy may turn out FSDP2's.
+
+    Raises:
+        ValueError: Naming the strategy, what it does and what to use instead.
+    """
+    fsdp1 = parallel.wrapper == "fsdp1" or (wrapped and parallel.shards_parameters and parallel.wrapper != "fsdp2")
+    if parallel.wrapper == "deepspeed" or fsdp1:
+        deepspeed = f"(ZeRO stage {parallel.zero_stage}) reduces inside its own step"
+        raise ValueError(
+            f"`noise_scale=True` reads each micro-batch's full gradient, which {parallel.strategy}"
+            f" {deepspeed if parallel.wrapper == 'deepspeed' else 'shards'}: use it with a single device, DDP or FSDP2"
+            " (`fully_shard`, ModelParallelStrategy), or set noise_scale=False"
+        )
+
+
+def micro_batch_leaves(module: nn.Module) -> tuple[list[torch.Tensor], bool]:
+    """The trainable leaves each micro-batch's gradient reaches, and whether each could be found.
+
+    Under FSDP2 a unit's unsharded parameters exist only from its first all-gather on: before it, ``False`` (the
+    window cannot be measured whole).
+
+    Example::
+
+        >>> leaves, complete = micro_batch_leaves(nn.Linear(2, 1))
+        >>> [tuple(leaf.shape) for leaf in leaves], complete
+        ([(1, 2), (1,)], True)
+    """
+    leaves: list[torch.Tensor] = []
+    complete = True
+    for fsdp_param in _fsdp_params(module):
+        if not fsdp_param.sharded_param.requires_grad:
+            continue
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is None:
+            complete = False
+        else:
+            leaves.append(unsharded)
+    return leaves + _unmanaged(module), complete
+
+
+def step_params(module: nn.Module) -> list[torch.Tensor]:
+    """The trainable parameters whose ``.grad`` the step takes: under FSDP2 the sharded ones.
+
+    Between a unit's forward and its backward ``fully_shard`` may have registered the unsharded ones on the module.
+    """
+    return [p.sharded_param for p in _fsdp_params(module) if p.sharded_param.requires_grad] + _unmanaged(module)
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    return [p for group in fsdp2_param_groups(module) for p in group.fsdp_params]
+
+
+def _unmanaged(module: nn.Module) -> list[torch.Tensor]:
+    """The trainable parameters FSDP2 does not manage (neither a shard nor an unsharded parameter of one)."""
+    managed = {
+        id(getattr(p, name, None)) for p in _fsdp_params(module) for name in ("sharded_param", "_unsharded_param")
+    }
+    return [p for p in module.parameters() if p.requires_grad and id(p) not in managed]
+
+
+def sharded(module: nn.Module) -> bool:
+    """Whether some trainable parameter's ``.grad`` is a shard (FSDP2): its squares are summed over the ranks."""
+    return any(p.sharded_param.requires_grad for p in _fsdp_params(module))
+
+
+def local_part(grad: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``grad``'s local tensor, and by how many ranks its square is held (a ``DTensor``'s replicas; else ``1``).
+
+    Example::
+
+        >>> local_part(torch.ones(3))[1]
+        1.0
+    """
+    to_local = getattr(grad, "to_local", None)
+    if to_local is None:
+        return grad, 1.0
+    mesh, placements = grad.device_mesh, grad.placements  # type: ignore[attr-defined]
+    replicas = math.prod(mesh.size(dim) for dim, placement in enumerate(placements) if placement.is_replicate())
+    return to_local(), float(replicas)
+
+
+def square_into(grad: torch.Tensor, entry: torch.Tensor) -> None:
+    """Write the squared norm of ``grad`` (its local part, over its replicas) into ``entry``, in float32, at once.
+
+    Example::
+
+        >>> entry = torch.zeros(())
+        >>> square_into(torch.tensor([3.0, 4.0]), entry); float(entry)
+        25.0
+    """
+    grad, replicas = local_part(grad)
+    if grad.requires_grad:  # a backward with create_graph=True: the sums stay out of its graph
+        grad = grad.detach()
+    if grad.is_sparse:  # an embedding's sparse gradient: its entries, each index once
+        grad = grad.coalesce().values()
+    flat: Any = grad.reshape(-1) if grad.dtype is torch.float32 else grad.reshape(-1).float()
+    if flat.device == entry.device:
+        torch.dot(flat, flat, out=entry)
+    else:  # a parameter on another device than the first trainable one
+        entry.copy_(torch.dot(flat, flat))
+    if replicas != 1.0:
+        entry.div_(replicas)
