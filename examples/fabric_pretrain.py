@@ -13,16 +13,16 @@ Four batch-size schedules, each from the same weights on the same token budget a
 - ``large``: factor ``--max-factor`` throughout;
 - ``ramp``: the global batch ramped by hand from one micro-batch to ``--max-factor`` over the first half of the
   budget (the ``ramp_*`` arguments; Merrill et al.'s batch-size warmup);
-- ``adaptive``: from factor 1, grown by the gradient noise scale (``noise_scale=True, adaptive=True``, every second
+- ``adaptive``: from factor 1, grown by the gradient noise scale (``noise_scale=True, adaptive=True``, every tenth
   window measured, at most ``--max-factor``); at factor 1 a measured window's batch is yielded as its two halves.
 
-Every run has the same peak LR (``--lr-scaling sqrt``: the square-root rule from one micro-batch's batch, as
-``AccumulationScheduler``'s ``lr_scaling`` applies it, so a larger batch gets a larger LR). For each seed and schedule
-it prints the optimizer steps, the held-out loss (mean cross-entropy per byte) and the
-wall time; then each schedule's means over the seeds, with steps and loss as ratios to ``small``::
+A larger batch gets a larger LR by the square-root rule from one micro-batch's batch (``lr_scaling="sqrt"``, the rule
+for Adam; ``--lr-scaling none``: the same peak LR for every run). For each seed and schedule it prints the optimizer
+steps, the held-out loss (mean cross-entropy per byte) and the wall time; then each schedule's means over the seeds,
+with steps and loss as ratios to ``small``::
 
     python examples/fabric_pretrain.py                     # 3 seeds, about 4 minutes on 2 CPU cores
-    python examples/fabric_pretrain.py --lr-scaling sqrt   # a larger batch's LR times the root of its size
+    python examples/fabric_pretrain.py --lr-scaling none   # one peak LR for every batch
     python examples/fabric_pretrain.py --seeds 0 --tokens 200000 --width 32 --layers 1   # a quick look
 """
 
@@ -181,15 +181,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--noise-scale-interval",
         type=int,
-        default=2,
+        default=10,
         dest="noise_scale_interval",
-        help="adaptive: measure every N-th window (2, as examples/configs/lm_adaptive.yaml)",
+        help="adaptive: measure every N-th window (10: the default; examples/configs/lm_adaptive.yaml measures 2)",
     )
     parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate at one micro-batch")
     parser.add_argument(
         "--lr-scaling",
         choices=["none", "sqrt"],
-        default="none",
+        default="sqrt",
         dest="lr_scaling",
         help="the LR of a larger batch: the same, or times the square root of its size over one micro-batch's",
     )

@@ -17,7 +17,48 @@ import torch
 from torch import nn
 
 from lightning_accum.events import DataParallel
+from lightning_accum.split import label_span
 from lightning_accum.sync import fsdp2_param_groups
+
+# said once per fit, at the first window measured in halves, where the halves' labels bear uneven tokens
+HALVES_BY_ROWS = (
+    "a window measured in halves weighs each half by its rows (normalize_by='micro_batch'), but the batch's labels"
+    " hold different numbers of loss-bearing tokens per row: a loss that is a mean over tokens is then not the whole"
+    " batch's on those windows. Set normalize_by='token' (the mean over every token) to step as the whole batch"
+)
+
+
+class RowsCheck:
+    """Whether the first ``windows`` windows measured in halves weighed by their rows hold rows of uneven labels.
+
+    Example::
+
+        >>> check = RowsCheck(windows=3)
+        >>> check.see({"labels": torch.tensor([[1, -100]])}); check.see({"labels": torch.tensor([[1, 2]])})
+        >>> check.said() == HALVES_BY_ROWS, check.windows
+        (True, 0)
+    """
+
+    def __init__(self, windows: int = 0) -> None:
+        self.windows = windows
+        self._spans: list[tuple[int, int]] = []
+
+    def see(self, part: Any) -> None:
+        """Look at a half of a measured window's loader batch (one host read, while windows are left)."""
+        span = label_span(part) if self.windows else None
+        if span is not None:
+            self._spans.append(span)
+
+    def said(self) -> str | None:
+        """At the window's step: what to say once, where its halves' rows bore uneven labels (``None``: nothing)."""
+        spans, self._spans = self._spans, []
+        if not spans:
+            return None
+        self.windows -= 1
+        if min(low for low, _ in spans) == max(high for _, high in spans):
+            return None
+        self.windows = 0
+        return HALVES_BY_ROWS
 
 
 def check_strategy(parallel: DataParallel, wrapped: bool) -> None:

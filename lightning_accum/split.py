@@ -186,6 +186,26 @@ def _holds_tensor(batch: Any) -> bool:
     return isinstance(batch, torch.Tensor) or any(_holds_tensor(value) for value in _values(batch))
 
 
+def label_span(batch: Any, key: str = "labels", ignore_index: int = -100) -> tuple[int, int] | None:
+    """The fewest and the most loss-bearing labels a row of ``batch[key]`` holds (``None``: no such labels).
+
+    A loss that is a mean over labels padded with ``ignore_index`` is not a mean over rows where rows hold different
+    numbers: parts of the batch weighed by their rows do not add up to it. Reads the labels once (a host read).
+
+    Example::
+
+        >>> label_span({"labels": torch.tensor([[1, 2, -100], [3, -100, -100]])})
+        (1, 2)
+        >>> label_span((torch.zeros(2),)) is None
+        True
+    """
+    labels = batch.get(key) if isinstance(batch, Mapping) else None
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return None
+    counts = (labels != ignore_index).flatten(1).sum(1)
+    return int(counts.min()), int(counts.max())
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """Whether ``error`` is an allocator's out-of-memory error.
 

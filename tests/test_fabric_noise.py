@@ -195,3 +195,34 @@ def test_a_batch_the_halves_cannot_split_is_refused_before_any_step():
         train()
     assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
     assert accumulator.optimizer_steps == 0
+
+
+@pytest.mark.parametrize("normalize_by", ["micro_batch", "token"])
+def test_halves_of_batches_whose_rows_bear_uneven_tokens_are_warned_of_unless_weighed_by_tokens(normalize_by):
+    """A token-mean loss over rows padded with -100: halves weighed by their rows are not the whole batch's mean
+    (found by an adversarial test: 0.024 from plain SGD after 9 steps), so normalize_by='micro_batch' is warned of
+    once, at the first window measured in halves; normalize_by='token' weighs them by their tokens, exactly."""
+    import warnings
+
+    from tests.helpers import make_tokens, token_loss
+
+    tokens = make_tokens(40)  # features and labels with -100 on rows of different lengths
+    batches = [{key: value[i : i + 4] for key, value in tokens.items()} for i in range(0, 40, 4)]
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net = nn.Linear(5, 1)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    options = {"normalize_by": normalize_by, "adaptive": True, "adaptive_max_factor": 1, "log_metrics": False}
+    accumulator = Accumulator(fabric, model, optimizer, **NOISE, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in accumulator.batches(batches):
+            with accumulator.micro_step(batch) as micro:
+                micro.backward(token_loss(model, batch["features"], batch["labels"]))
+            if micro.should_step:
+                optimizer.step()
+                optimizer.zero_grad()
+    said = [str(w.message) for w in caught if "weighs each half by its rows" in str(w.message)]
+    assert len(said) == (1 if normalize_by == "micro_batch" else 0)
+    if said:
+        assert said[0].startswith("Accumulator: a window measured in halves")
+        assert "normalize_by='token'" in said[0]

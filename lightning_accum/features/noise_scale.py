@@ -28,11 +28,11 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+import lightning_accum.noise_grads as noise_grads
 from lightning_accum.adaptive import check_evidence
 from lightning_accum.events import Context, Feature, takes_dataloader_iter
 from lightning_accum.items import count_samples
 from lightning_accum.noise import NoiseMeasurement, NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
-from lightning_accum.noise_grads import check_strategy, micro_batch_leaves, sharded, square_into, step_params
 from lightning_accum.schedule import check_int
 
 
@@ -100,6 +100,7 @@ class NoiseScale(Feature):
         self._backwards: list[tuple[int, Any, Any]] = []  # (first entry, loss divisor, items) of each backward
         self._halves = False  # whether measured windows of one loader batch are split in two halves (this fit)
         self._measuring = False  # whether the window in progress is measured and not hooked yet
+        self._rows = noise_grads.RowsCheck()  # whether halves weighed by their rows hold uneven labels
         self._sharded = False  # whether the step's gradients are shards (FSDP2), their squares summed over the ranks
 
     @property
@@ -115,16 +116,17 @@ class NoiseScale(Feature):
 
     @override
     def setup(self, ctx: Context) -> None:
-        check_strategy(ctx.run.data_parallel, wrapped=False)
+        noise_grads.check_strategy(ctx.run.data_parallel, wrapped=False)
 
     @override
     def fit_start(self, ctx: Context) -> None:
-        check_strategy(ctx.run.data_parallel, wrapped=True)
+        noise_grads.check_strategy(ctx.run.data_parallel, wrapped=True)
         self.measurement = None
         ctx.noise = self._reading()
         # one process: a window of one loader batch has a single gradient, so measured ones are split in two halves
         one_batch = ctx.world_size == 1 and (ctx.schedule is None or ctx.schedule.min_factor == 1)
         self._halves = self.adaptive and one_batch and not ctx.splitting
+        self._rows = noise_grads.RowsCheck(windows=3 if self._halves else 0)
         self._check_halves(ctx)
         ctx.noise_parts = 2 if self._halves else 1
 
@@ -157,9 +159,9 @@ class NoiseScale(Feature):
 
     def _hook(self, ctx: Context) -> None:
         self._measuring = False
-        leaves, complete = micro_batch_leaves(ctx.module)
+        leaves, complete = noise_grads.micro_batch_leaves(ctx.module)
         if complete and leaves:
-            self._params, self._sharded = step_params(ctx.module), sharded(ctx.module)
+            self._params, self._sharded = noise_grads.step_params(ctx.module), noise_grads.sharded(ctx.module)
             self._hooks = [leaf.register_hook(functools.partial(self._add, i)) for i, leaf in enumerate(leaves)]
             self._reserve(len(leaves) * ctx.window.size * ctx.noise_parts + len(self._params), leaves[0].device)
 
@@ -176,6 +178,8 @@ class NoiseScale(Feature):
     def before_backward(self, ctx: Context) -> None:
         if self._measuring:
             self._hook(ctx)
+        if ctx.noise_parts > 1 and ctx.items is None:  # a half weighed by its rows: its labels looked at
+            self._rows.see(ctx.batch)
         if self._hooks:
             self._recording, self._seen = True, bytearray(len(self._hooks))
             self._backwards.append((self._count, ctx.loss_divisor, _items(ctx)))
@@ -193,7 +197,7 @@ class NoiseScale(Feature):
         """Write the squared norm of ``grad`` into the next entry: one reduction, in float32."""
         if self._count == len(self._entries):
             self._reserve(self._count + 1, self._entries[0].device)
-        square_into(grad, self._entries[self._count])
+        noise_grads.square_into(grad, self._entries[self._count])
         self._count += 1
 
     @override
@@ -202,6 +206,8 @@ class NoiseScale(Feature):
 
     @override
     def gradient_ready(self, ctx: Context) -> None:
+        if (warning := self._rows.said()) is not None:
+            rank_zero_warn(f"{ctx.run.owner}: {warning}")
         if not self._hooks:
             return
         backwards, params, parts, first_mean = self._backwards, self._params, self._parts, self._count
@@ -287,9 +293,7 @@ class NoiseScale(Feature):
 
 def _items(ctx: Context) -> Any:
     """The micro-batch's items, as the estimate counts them: item weighting's, or else its samples."""
-    if ctx.items is not None:
-        return ctx.items
     try:
-        return count_samples(ctx.batch)
+        return ctx.items if ctx.items is not None else count_samples(ctx.batch)
     except ValueError:
         return ctx.micro_batch_size or 1
