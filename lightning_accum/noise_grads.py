@@ -11,6 +11,7 @@ all-reduce, a shard (a ``DTensor``) under FSDP2, whose local squares add up over
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,54 +80,54 @@ def check_strategy(parallel: DataParallel, wrapped: bool) -> None:
         )
 
 
-def micro_batch_leaves(module: nn.Module) -> tuple[list[torch.Tensor], bool]:
-    """The trainable leaves each micro-batch's gradient reaches, and whether each could be found.
+@dataclass(frozen=True)
+class Targets:
+    """Where a measured window's gradients are read (:func:`targets`).
 
-    Under FSDP2 a unit's unsharded parameters exist only from its first all-gather on: before it, ``False`` (the
-    window cannot be measured whole).
+    Attributes:
+        leaves: The trainable leaves each micro-batch's gradient reaches (FSDP2's unsharded parameters, or the
+            parameters themselves).
+        complete: Whether every such leaf exists: under FSDP2 a unit's unsharded parameters exist only from its
+            first all-gather on, and a window without them all is not measured.
+        params: The trainable parameters whose ``.grad`` the step takes (under FSDP2 the sharded ones).
+        sharded: Whether some of those ``.grad`` are shards, whose squares are summed over the ranks.
+    """
+
+    leaves: list[torch.Tensor]
+    complete: bool
+    params: list[torch.Tensor]
+    sharded: bool
+
+
+def targets(module: nn.Module) -> Targets:
+    """Where ``module``'s gradients are read, in one pass over its FSDP2 units (none: its own parameters).
+
+    Between a unit's forward and its backward ``fully_shard`` may have registered the unsharded parameters on the
+    module: they are neither counted twice nor taken for the step's.
 
     Example::
 
-        >>> leaves, complete = micro_batch_leaves(nn.Linear(2, 1))
-        >>> [tuple(leaf.shape) for leaf in leaves], complete
-        ([(1, 2), (1,)], True)
+        >>> found = targets(nn.Linear(2, 1))
+        >>> [tuple(leaf.shape) for leaf in found.leaves], found.complete, found.sharded
+        ([(1, 2), (1,)], True, False)
     """
+    managed: set[int] = set()
     leaves: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
     complete = True
-    for fsdp_param in _fsdp_params(module):
-        if not fsdp_param.sharded_param.requires_grad:
-            continue
-        unsharded = getattr(fsdp_param, "_unsharded_param", None)
-        if unsharded is None:
-            complete = False
-        else:
-            leaves.append(unsharded)
-    return leaves + _unmanaged(module), complete
-
-
-def step_params(module: nn.Module) -> list[torch.Tensor]:
-    """The trainable parameters whose ``.grad`` the step takes: under FSDP2 the sharded ones.
-
-    Between a unit's forward and its backward ``fully_shard`` may have registered the unsharded ones on the module.
-    """
-    return [p.sharded_param for p in _fsdp_params(module) if p.sharded_param.requires_grad] + _unmanaged(module)
-
-
-def _fsdp_params(module: nn.Module) -> list[Any]:
-    return [p for group in fsdp2_param_groups(module) for p in group.fsdp_params]
-
-
-def _unmanaged(module: nn.Module) -> list[torch.Tensor]:
-    """The trainable parameters FSDP2 does not manage (neither a shard nor an unsharded parameter of one)."""
-    managed = {
-        id(getattr(p, name, None)) for p in _fsdp_params(module) for name in ("sharded_param", "_unsharded_param")
-    }
-    return [p for p in module.parameters() if p.requires_grad and id(p) not in managed]
-
-
-def sharded(module: nn.Module) -> bool:
-    """Whether some trainable parameter's ``.grad`` is a shard (FSDP2): its squares are summed over the ranks."""
-    return any(p.sharded_param.requires_grad for p in _fsdp_params(module))
+    for group in fsdp2_param_groups(module):
+        for fsdp_param in group.fsdp_params:
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            managed |= {id(fsdp_param.sharded_param), id(unsharded)}
+            if not fsdp_param.sharded_param.requires_grad:
+                continue
+            shards.append(fsdp_param.sharded_param)
+            if unsharded is None:
+                complete = False
+            else:
+                leaves.append(unsharded)
+    own: list[torch.Tensor] = [p for p in module.parameters() if p.requires_grad and id(p) not in managed]
+    return Targets(leaves + own, complete, shards + own, bool(shards))
 
 
 def local_part(grad: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -179,6 +179,20 @@ def token_loss(net: nn.Module, features: torch.Tensor, labels: torch.Tensor) -> 
     return ((prediction - labels)[mask] ** 2).sum() / mask.sum().clamp(min=1)
 
 
+class LinearTokenModule(pl.LightningModule):
+    """``Linear(5, 1)`` on :func:`make_tokens` batches, the loss :func:`token_loss`, plain SGD at 0.1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(5, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return token_loss(self.net, batch["features"], batch["labels"])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 class DictDataset(torch.utils.data.Dataset):
     def __init__(self, data: dict[str, torch.Tensor]) -> None:
         self.data = data

@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
@@ -380,20 +379,9 @@ def test_in_real_fits_pure_noise_grows_to_the_maximum_and_no_noise_stays_at_fact
 def test_halves_of_batches_whose_rows_bear_uneven_tokens_are_warned_of_in_the_trainer_too():
     """The same warning as the Accumulator's (tests/test_fabric_noise.py), from the same feature: the micro-batcher's
     halves of a token-mean loss, weighed by their rows under normalize_by='micro_batch'."""
-    from tests.helpers import DictDataset, make_tokens, token_loss
-
-    class TokenModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(5, 1)
-
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            return token_loss(self.net, batch["features"], batch["labels"])
-
-        def configure_optimizers(self):  # noqa: ANN201
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    from tests.helpers import DictDataset, LinearTokenModule, make_tokens
 
     callback = AccumulationScheduler(noise_scale=True, noise_scale_interval=1, adaptive=True, adaptive_max_factor=1)
     loader = DataLoader(DictDataset(make_tokens(40)), batch_size=4)
     with pytest.warns(UserWarning, match=r"AccumulationScheduler: a window measured in halves weighs each half by"):
-        trainer([callback], max_epochs=1).fit(TokenModule(), loader)
+        trainer([callback], max_epochs=1).fit(LinearTokenModule(), loader)

@@ -295,30 +295,18 @@ def _dispatched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_the_fabric_shell_dispatches_the_callbacks_events_in_the_callbacks_order(monkeypatch):
     """One epoch of 10 micro-batches at factor 4 (windows 4, 4 and the 2 left), token-weighted, through the Trainer
     and through Fabric: the same window events in the same order (SETUP comes when the Accumulator is built)."""
-    import lightning.pytorch as pl
     from lightning.fabric import Fabric
     from torch import nn
 
     from lightning_accum.fabric import Accumulator
-    from tests.helpers import DictDataset, make_tokens, token_loss, trainer
+    from tests.helpers import DictDataset, LinearTokenModule, make_tokens, token_loss, trainer
 
     tokens = make_tokens(40)
-
-    class TokenModule(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(5, 1)
-
-        def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-            return token_loss(self.net, batch["features"], batch["labels"])
-
-        def configure_optimizers(self):  # noqa: ANN201
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     seen = _dispatched(monkeypatch)
     loader = torch.utils.data.DataLoader(DictDataset(tokens), batch_size=4)
     callback = AccumulationScheduler({0: 4}, normalize_by="token", log_metrics=False)
-    trainer([callback], max_epochs=1).fit(TokenModule(), loader)
+    trainer([callback], max_epochs=1).fit(LinearTokenModule(), loader)
     through_trainer = [event for event in seen if event != "SETUP"]
 
     seen.clear()

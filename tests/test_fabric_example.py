@@ -1,26 +1,33 @@
-"""examples/fabric_sft.py on tiny sizes, as a user runs it: the Accumulator's loop lands on the big batch's weights,
-litgpt's loop does not, and the table says so."""
+"""examples/fabric_sft.py and fabric_pretrain.py on tiny sizes, as a user runs them: the Accumulator's loop lands on
+the big batch's weights, litgpt's loop does not, and the table says so; the pretraining loop spends its token budget
+under every batch schedule."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.fixture(scope="module")
-def fabric_sft():
+def _example(name: str) -> Iterator[ModuleType]:
+    """``examples/<name>.py`` imported as a user's script imports its neighbours (``examples/`` on the path)."""
     sys.path.insert(0, str(EXAMPLES))
     try:
-        import fabric_sft
-
-        yield fabric_sft
+        yield importlib.import_module(name)
     finally:
         sys.path.remove(str(EXAMPLES))
+
+
+@pytest.fixture(scope="module")
+def fabric_sft():
+    yield from _example("fabric_sft")
 
 
 def test_the_example_prints_the_accumulator_on_the_big_batch_and_litgpts_loop_away_from_it(fabric_sft, capsys):
@@ -40,13 +47,7 @@ def test_the_example_prints_the_accumulator_on_the_big_batch_and_litgpts_loop_aw
 
 @pytest.fixture(scope="module")
 def fabric_pretrain():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import fabric_pretrain
-
-        yield fabric_pretrain
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    yield from _example("fabric_pretrain")
 
 
 def test_the_pretraining_example_compares_four_batch_schedules_at_one_token_budget(fabric_pretrain, capsys):

@@ -159,9 +159,9 @@ class NoiseScale(Feature):
 
     def _hook(self, ctx: Context) -> None:
         self._measuring = False
-        leaves, complete = noise_grads.micro_batch_leaves(ctx.module)
-        if complete and leaves:
-            self._params, self._sharded = noise_grads.step_params(ctx.module), noise_grads.sharded(ctx.module)
+        found = noise_grads.targets(ctx.module)
+        if found.complete and (leaves := found.leaves):
+            self._params, self._sharded = found.params, found.sharded
             self._hooks = [leaf.register_hook(functools.partial(self._add, i)) for i, leaf in enumerate(leaves)]
             self._reserve(len(leaves) * ctx.window.size * ctx.noise_parts + len(self._params), leaves[0].device)
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fabric_common import LR, TinyLM, mean_loss  # noqa: E402
+from fabric_common import LR, TinyLM, leave, mean_loss  # noqa: E402
 from fabric_ranks import rank_data  # noqa: E402
 
 from lightning_accum.fabric.deepspeed import _DeepSpeedOnCPU  # noqa: E402
@@ -95,10 +95,7 @@ def main() -> None:
     run(out, "stock_refused", StockOnCPU(stage=2))
     # the noise scale reads each micro-batch's gradient, which the engine reduces inside its own step
     run(out, "noise_refused", DeepSpeedAccumulationStrategy(stage=2), noise_scale=True, adaptive=True)
-    torch.distributed.barrier()  # every rank has written its records
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # without the interpreter's C++ teardown (see two_ranks.py)
+    leave()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ two sums by the optimizer step it ends in, the estimate, the adaptive factor, th
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fabric_common import TinyLM, mean_loss  # noqa: E402
+from fabric_common import TinyLM, leave, mean_loss  # noqa: E402
 from fabric_ranks import full_weights, rank_data, strategy  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 
@@ -80,12 +79,7 @@ def main() -> None:
     for backend in ("ddp", "fsdp2"):
         for name, options in CONFIGS.items():
             run(out, backend, name, **options)
-    torch.distributed.barrier()  # every rank has written its records
-    # leave without the interpreter's C++ teardown, which torch 2.13 can abort on a loaded machine after gloo runs
-    # (see two_ranks.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fabric_common import LR, TinyLM, litgpt_loop, make_pairs, mean_loss, micro_batches  # noqa: E402
+from fabric_common import LR, TinyLM, leave, litgpt_loop, make_pairs, mean_loss, micro_batches  # noqa: E402
 
 from lightning_accum.fabric import Accumulator  # noqa: E402
 from lightning_accum.sync import fsdp2_modules, fsdp2_sync_state  # noqa: E402
@@ -229,12 +228,7 @@ def main() -> None:
         run(out, name, **options)
     for backend in ("ddp", "fsdp2"):
         lightning_port(backend, out, f"lightning_port_{backend}")
-    torch.distributed.barrier()  # every rank has written its records
-    # leave without the interpreter's C++ teardown, which torch 2.13 can abort on a loaded machine after gloo runs
-    # (see two_ranks.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ each param group's LR after each save and load, the error a save or load raised 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fabric_common import TinyLM, make_pairs, mean_loss, micro_batches  # noqa: E402
+from fabric_common import TinyLM, leave, make_pairs, mean_loss, micro_batches  # noqa: E402
 
 from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy  # noqa: E402
 from lightning_accum.fabric import Accumulator  # noqa: E402
@@ -282,12 +281,7 @@ def main() -> None:
     for mode in modes:
         for kind in KINDS:
             MODES[mode](out, kind)
-    torch.distributed.barrier()  # every rank has written its records
-    # leave without the interpreter's C++ teardown, which torch 2.13 can abort on a loaded machine after gloo runs
-    # (see two_ranks.py)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 if __name__ == "__main__":
