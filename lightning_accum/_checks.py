@@ -118,8 +118,6 @@ def warn_at_fit_start(
             f" batches, and a window never spans epochs: such windows hold {batches} micro-batches, and LR scaling"
             " and the logs use that. Use a smaller factor, or more batches per epoch"
         )
-    if trainer.ckpt_path is not None:
-        _warn_if_resuming_mid_epoch_without_loader_state(trainer)
     if schedule.max_factor == 1 and not grows:
         return
     steps = count_steps(trainer, spec, micro_batch_size)
@@ -164,15 +162,3 @@ def _stepping_batches(trainer: pl.Trainer) -> float | None:
         return float(trainer.estimated_stepping_batches)
     except Exception:  # noqa: BLE001 (Lightning raises MisconfigurationException, ValueError, ...)
         return None
-
-
-def _warn_if_resuming_mid_epoch_without_loader_state(trainer: pl.Trainer) -> None:
-    """Lightning's own check assumes a constant factor (steps per epoch), so it misses most resumes under a schedule."""
-    done = int(getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0))
-    if 0 < done < trainer.num_training_batches and not trainer.fit_loop.on_save_checkpoint().get("combined_loader"):
-        rank_zero_warn(
-            f"AccumulationScheduler: resuming in the middle of an epoch (after batch {done}) with a train dataloader"
-            " that has no `state_dict`: the epoch's data starts again from its beginning, so the resumed run differs"
-            " from the uninterrupted one. Use a resumable dataloader (torchdata's StatefulDataLoader) or resume from"
-            " a checkpoint written at an epoch's end"
-        )

@@ -20,10 +20,17 @@ and the private names are pinned by ``tests/test_lightning_contract.py``.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.data import DataLoader
+
+from lightning_accum._position import loader_batch_size
+from lightning_accum.data_position import DataPosition
+from lightning_accum.events import Context
+from lightning_accum.schedule import ScheduleSpec
 
 _BATCH_PROGRESS = "epoch_loop.batch_progress"
 
@@ -55,6 +62,7 @@ class ResumePoint:
         # epoch), and whether its first batch is the epoch's last
         self._fit_loop: Any = None  # the Trainer's fit loop, to tell whether the window has stepped
         self._steps_at_open = 0
+        self.data = LoaderPosition()  # the place in the train dataloader's samples, on any number of ranks
 
     def between_windows(self, trainer: pl.Trainer, callback_state: dict[str, Any]) -> None:
         """Keep the callback's state and the dataloaders' states: the next batch opens a window."""
@@ -89,6 +97,11 @@ class ResumePoint:
     def inside(self, window_open: bool) -> bool:
         """Whether a checkpoint written now falls inside a window (a micro-step in progress, or ``window_open``)."""
         return self.ready and (self.in_step or window_open) and not self.stepped
+
+    def count_unrestored(self, trainer: pl.Trainer, ctx: Context) -> None:
+        """Resuming a checkpoint without the callback's state: the loop's counts (:func:`count_from_the_loop`)."""
+        if trainer.ckpt_path is not None and not self.restored and trainer.global_step > 0:
+            ctx.micro_steps, ctx.samples_seen = count_from_the_loop(trainer, ctx.samples_per_micro_step)
 
     def state(self, current: dict[str, Any], window_open: bool) -> dict[str, Any]:
         """The callback's state to checkpoint: ``current``, or inside a window the state kept at its start.
@@ -157,3 +170,121 @@ def count_from_the_loop(trainer: pl.Trainer, samples_per_micro_step: int) -> tup
         " estimate and adaptive growth start afresh"
     )
     return done, samples
+
+
+def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(ranks, rank)`` among which the train dataloader's samples are dealt (the strategy's sampler arguments)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+
+def reposition(trainer: pl.Trainer, data: DataPosition) -> Repositioned | None:
+    """Start the train dataloader at the first sample the resumed run had not consumed, on any number of ranks.
+
+    ``data`` holds the checkpoint's place in the epoch's global order. The loader's batch sampler draws from a
+    :class:`~lightning_accum.data_position.Dealt` sampler for the rest of the fit (:meth:`Repositioned.put_back` gives
+    its own back), and the loop's batch counters say how many of this rank's batches are behind it, so the epoch ends
+    where its samples do. A loader that resumes by its own state on the same ranks is left to it; one whose position
+    cannot be set is warned of, naming what the resumed epoch repeats. Private names of Lightning's fit loop (the
+    data fetcher, pinned by ``tests/test_lightning_contract.py``).
+    """
+    world, rank = data_parallel(trainer)
+    loop = trainer.fit_loop
+    if loop.on_save_checkpoint().get("combined_loader"):  # a loader with state_dict, which Lightning gave its state
+        if data.resumed_from in (None, world):
+            data.forget()
+            return None
+        rank_zero_warn(
+            f"AccumulationScheduler: the checkpoint was written on {data.resumed_from} process(es) and this run has"
+            f" {world}: the train dataloader's own state (one rank's count of its own batches) cannot say where each"
+            " rank is now, so its iterator is made anew, at the first sample the run had not consumed where the"
+            " sampler allows it (a sequential sampler or a DistributedSampler)"
+        )
+    loader = trainer.train_dataloader
+    plan = data.resume(loader, world, rank, trainer.current_epoch)
+    progress: Any = loop.epoch_loop.batch_progress
+    if isinstance(plan, str) and not progress.is_last_batch:  # an epoch of unknown length the loop saw end: no loss
+        rank_zero_warn(f"AccumulationScheduler: {plan}")
+    if plan is None or isinstance(plan, str):
+        return None
+    assert isinstance(loader, DataLoader), "DataPosition.resume checked it"
+    # an ended epoch the loop still counts in the old world's batches (a checkpoint at its last batch): all of them
+    done = plan.done if plan.done is not None else plan.batches if plan.ended and progress.current.processed else None
+    if done is not None:
+        shift = done - progress.current.processed
+        for counts in (progress.current, progress.total):
+            counts.ready, counts.started = counts.ready + shift, counts.started + shift
+            counts.processed, counts.completed = counts.processed + shift, counts.completed + shift
+    kept = Repositioned(loader, plan.sampler)
+    if loop._data_fetcher is not None and plan.sampler is not None:
+        iter(loop._data_fetcher)  # the iterator anew, drawing from the repositioned sampler
+    return kept
+
+
+class Repositioned:
+    """A resumed train dataloader: the sampler :func:`reposition` gave it, and Lightning's warning quieted.
+
+    Lightning's warning that a resume "ended before the epoch ended" counts the steps of a constant factor over its
+    batches; it is false where the loader starts where the run stopped, and quieted until the fit's end.
+    """
+
+    def __init__(self, loader: DataLoader, sampler: Any) -> None:
+        batch_sampler: Any = loader.batch_sampler
+        self.loader, self.own = loader, batch_sampler.sampler
+        if sampler is not None:
+            batch_sampler.sampler = sampler
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        self.quiet: Any = warnings.filters[0]
+
+    def put_back(self) -> None:
+        """The loader's own sampler again, and Lightning's warnings as they were."""
+        self.loader.batch_sampler.sampler = self.own  # type: ignore[union-attr]
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]
+        if self.quiet in filters:
+            filters.remove(self.quiet)
+
+
+class LoaderPosition:
+    """The callback's place in the train dataloader's samples (:class:`DataPosition`), kept for the Trainer.
+
+    The callback calls :meth:`batch_started` and :meth:`batch_ended` around each loader batch, :meth:`fit_started` at
+    ``on_train_start`` (after the checkpoint's state is loaded) and :meth:`release` at the fit's end; its state goes
+    in the callback's under ``"data"``.
+    """
+
+    def __init__(self) -> None:
+        self.data = DataPosition()
+        self._rows = 0  # the train dataloader's rows per batch (0: not known)
+        self._kept: Repositioned | None = None
+
+    def fit_started(self, trainer: pl.Trainer, ctx: Context, spec: ScheduleSpec, grows: bool) -> None:
+        """Reposition a resumed run's loader, learn the order it deals, and say what another number of ranks changes.
+
+        The loader states a checkpoint holds go to loaders that sizing a schedule set up early (Lightning #20550).
+        """
+        restore_loader_states(trainer)
+        self._rows = loader_batch_size(trainer) or 0
+        self._kept = reposition(trainer, self.data)
+        self.data.describe(trainer.train_dataloader, data_parallel(trainer)[0])
+        self.data.say_global_batch(ctx, spec.target_batch_size, grows)
+
+    def batch_ended(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """Every rank consumed a loader batch; an epoch's first begins at its order's first position (anew)."""
+        if batch_idx == 0:
+            self.data.start_epoch(trainer.current_epoch)
+            self.data.describe(trainer.train_dataloader, data_parallel(trainer)[0])
+        self.data.took(self._rows, data_parallel(trainer)[0])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, the ranks and the order (:meth:`DataPosition.state_dict`)."""
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's place, for :meth:`fit_started` to resume at."""
+        self.data.load_state_dict(state)
+
+    def release(self) -> None:
+        """Give a repositioned loader its own sampler back."""
+        if self._kept is not None:
+            self._kept.put_back()
+            self._kept = None

@@ -24,7 +24,7 @@ from lightning_accum._loop import LoopControl, ends_epoch
 from lightning_accum._microbatch import AUTO, MicroBatcher
 from lightning_accum._position import count_steps, factor_before_training, loader_batch_size, plan, scheduled_factor
 from lightning_accum._ranks import agree_on_batches
-from lightning_accum._resume import ResumePoint, count_from_the_loop, restore_loader_states
+from lightning_accum._resume import ResumePoint
 from lightning_accum._run import bind
 from lightning_accum._types import Confidence, Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
@@ -152,7 +152,7 @@ class AccumulationScheduler(Callback):
         self._ctx = Context()  # the position, the window and what features publish; handed to every event
         self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
         self._loop: LoopControl | None = None  # from setup to teardown
-        self._resume = ResumePoint()  # what a checkpoint written inside a window resumes from
+        self._resume = ResumePoint()  # what a checkpoint written inside a window resumes from, and where in the data
 
     @property
     def factor(self) -> int:
@@ -212,11 +212,10 @@ class AccumulationScheduler(Callback):
         ctx.can_split = batcher.listen(trainer) and ctx.can_split  # a coupled step's batch is never split (`cached`)
         self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
         ctx.planned_steps, ctx.planned_samples = plan(trainer, self._spec, ctx.micro_batch_size)
-        restore_loader_states(trainer)  # the states a checkpoint holds, if sizing a schedule set up the loader early
-        if trainer.ckpt_path is not None and not self._resume.restored and trainer.global_step > 0:
-            ctx.micro_steps, ctx.samples_seen = count_from_the_loop(trainer, ctx.samples_per_micro_step)
+        self._resume.count_unrestored(trainer, ctx)  # a checkpoint written without this callback's state
         ctx.optimizers, ctx.optimizer_steps = [updating_optimizer(o) for o in trainer.optimizers], trainer.global_step
         ctx.schedule, ctx.factor = self._schedule, scheduled_factor(trainer, self._schedule, ctx)
+        self._resume.data.fit_started(trainer, ctx, self._spec, "adaptive" in self._features)
         ctx.summary = [split_summary(batcher.size)] if split else []  # the features add their phrases
         self._features.dispatch(Event.FIT_START, ctx)
         if ctx.noise_parts > 1 and not split:  # the noise scale measures a window of one loader batch in halves
@@ -301,6 +300,7 @@ class AccumulationScheduler(Callback):
         ctx = self._ctx
         ctx.samples_seen += ctx.samples_per_micro_step
         ctx.micro_steps += 1
+        self._resume.data.batch_ended(trainer, ctx.batch_idx)
         if ctx.window.closed:  # the window's last micro-step, which steps (or skipped its step)
             ctx.optimizer_steps = trainer.global_step
         report = self._batcher.report()  # a split loader batch's loss and items, over its micro-batches
@@ -366,18 +366,18 @@ class AccumulationScheduler(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        ctx = self._ctx
-        self._resume.restored = True
+        ctx, self._resume.restored = self._ctx, True
         ctx.samples_seen = int(state_dict.get("samples_seen", 0))
         ctx.micro_steps = int(state_dict.get("micro_steps", 0))
+        self._resume.data.load_state_dict(state_dict.get("data", {}))
         self._batcher.load_state_dict(state_dict)
         self._features.load_state_dict(state_dict)
         ctx.window.load_state_dict(state_dict.get("window", {}))
 
     def _current_state(self) -> dict[str, Any]:
-        ctx = self._ctx
+        ctx, data = self._ctx, self._resume.data.state_dict()
         own = {"samples_seen": ctx.samples_seen, "micro_steps": ctx.micro_steps, "window": ctx.window.state_dict()}
-        return {**own, **self._batcher.state_dict(), **self._features.state_dict()}
+        return {**own, "data": data, **self._batcher.state_dict(), **self._features.state_dict()}
 
     # ------------------------------------------------------------------ who decides
 
@@ -394,6 +394,7 @@ class AccumulationScheduler(Callback):
             self._loop.release()
             self._loop = None
         self._batcher.release()
+        self._resume.data.release()
         self._ctx.release()
 
 

@@ -48,6 +48,7 @@ PURE = [
     "split",
     "sample_driven_lr",
     "coupled",
+    "data_position",
     "zero",
 ]
 
@@ -152,6 +153,7 @@ def test_the_checkpoint_is_the_coordinators_state_and_each_features_under_its_na
         "samples_seen",
         "micro_steps",
         "window",
+        "data",  # the place in the train dataloader's samples (issue 47)
         "item_weighting",
         "noise_scale",
         "adaptive",

@@ -8,6 +8,7 @@ end at the uninterrupted run's weights: the checkpoint resumes the window from i
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -16,7 +17,16 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from tests.helpers import LR, RegressionModule, ResumableLoader, make_data, max_deviation, trainer, weights
+from tests.helpers import (
+    LR,
+    RegressionModule,
+    ResumableLoader,
+    make_data,
+    max_deviation,
+    reference_snapshots,
+    trainer,
+    weights,
+)
 
 # 10 batches of 4 an epoch; windows 2 2 2 | 3 (batches 6-8, scale 3) | 1, then 3 3 3 1
 WINDOW = (6, 7, 8)
@@ -228,14 +238,24 @@ def test_a_window_dropped_by_a_skipped_rest_of_epoch_leaves_no_stale_resume_poin
     assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
 
 
-def test_resuming_mid_epoch_with_a_loader_without_state_warns(tmp_path):
+def test_a_plain_loader_resumed_inside_a_window_in_the_middle_of_an_epoch_starts_where_the_window_did(tmp_path):
+    """A loader without ``state_dict`` (issue 47): the sampler is set to the window's first sample, the epoch ends
+    where the uninterrupted run's does, and the loader's own sampler is given back at the fit's end."""
     fault = Fault("on_before_backward", WINDOW[1], tmp_path / CHECKPOINT)
     x, y = make_data(40)
     plain = torch.utils.data.DataLoader(TensorDataset(x, y), batch_size=4)
+    own = plain.batch_sampler.sampler
+    whole, whole_trainer = Module(), trainer([_callback()], max_epochs=2)
+    whole_trainer.fit(whole, plain)
     with pytest.raises(Injected):
         trainer([_callback(), FaultCallback(fault)], max_epochs=2).fit(Module(), plain)
-    with pytest.warns(UserWarning, match=r"resuming in the middle of an epoch \(after batch 6\).*no `state_dict`"):
-        trainer([_callback()], max_epochs=2).fit(Module(), plain, ckpt_path=tmp_path / CHECKPOINT)
+    resumed, resumed_trainer = Module(seed=99), trainer([_callback()], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*(middle of an epoch|ended before the epoch)")
+        resumed_trainer.fit(resumed, plain, ckpt_path=tmp_path / CHECKPOINT)
+    assert resumed_trainer.global_step == whole_trainer.global_step
+    assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
+    assert plain.batch_sampler.sampler is own
 
 
 def test_a_reloaded_loader_with_state_is_kept_for_the_window_it_feeds(tmp_path):
@@ -253,3 +273,37 @@ def test_a_reloaded_loader_with_state_is_kept_for_the_window_it_feeds(tmp_path):
         failing.fit(Reloading(fault))
     checkpoint = torch.load(tmp_path / CHECKPOINT, weights_only=False)
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed": 3}]
+
+
+def test_a_fit_stopped_inside_an_epoch_resumes_with_the_next_epoch_as_lightnings_loop_does(tmp_path):
+    """``max_steps`` ends a fit in the middle of epoch 0 and Lightning's checkpoint says epoch 1: the place in epoch 0
+    the callback kept must not be applied to epoch 1 (found by an adversarial test: it dealt epoch 1 from sample 24 and
+    trained 16 of its 40 samples). The resumed fit trains all of epoch 1, as plain PyTorch does after 2 windows."""
+    x, y = make_data(40)
+    plain = DataLoader(TensorDataset(x, y), batch_size=4)
+    first = trainer([AccumulationScheduler({0: 3})], max_steps=2, enable_checkpointing=False)
+    first.fit(Module(), plain)
+    first.save_checkpoint(tmp_path / "stopped.ckpt")
+    assert first.current_epoch == 1
+    resumed, resumed_trainer = Module(seed=99), trainer([AccumulationScheduler({0: 3})], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*(middle of an epoch|trained again)")
+        resumed_trainer.fit(resumed, plain, ckpt_path=tmp_path / "stopped.ckpt")
+    assert resumed_trainer.global_step == 2 + 4  # epoch 1's windows of 3, 3, 3, 1
+    reference = reference_snapshots(x, y, 4, [[3, 3], [3, 3, 3, 1]])[-1]
+    assert max_deviation(weights(resumed), reference) <= 1e-6
+
+
+def test_an_epoch_end_checkpoint_of_a_loader_whose_place_cannot_be_set_resumes_without_a_warning(tmp_path):
+    """A shuffled loader on one device (a RandomSampler) checkpointed at its epoch's end: nothing of the epoch is left,
+    so nothing is trained again and nothing is warned of (found by an adversarial test)."""
+    x, y = make_data(40)
+    shuffled = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True)
+    first = trainer([AccumulationScheduler({0: 3})], max_epochs=1, enable_checkpointing=False)
+    first.fit(Module(), shuffled)
+    first.save_checkpoint(tmp_path / "end.ckpt")
+    resumed_trainer = trainer([AccumulationScheduler({0: 3})], max_epochs=2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r".*(middle of an epoch|trained again)")
+        resumed_trainer.fit(Module(seed=99), shuffled, ckpt_path=tmp_path / "end.ckpt")
+    assert resumed_trainer.global_step == 8

@@ -473,6 +473,74 @@ def test_adaptive_growth_resumes_with_the_measurement_it_decides_from():
     assert whole[-1] > 2
 
 
+class PrintingRun(Run):
+    def __init__(self) -> None:
+        self.printed: list[str] = []
+
+    def print(self, text: str) -> None:
+        self.printed.append(text)
+
+
+@pytest.mark.parametrize(("factor", "saved", "world", "carried"), [(4, 2, 1, 8), (3, 1, 3, 1), (8, 4, 2, 16)])
+def test_adaptive_growth_resumed_on_other_ranks_keeps_the_global_batch_it_had_reached(factor, saved, world, carried):
+    """Issue 47: the factor reached on ``saved`` ranks becomes factor x saved / world, with one line saying so."""
+    growth = AdaptiveGrowth(max_factor=8)
+    growth.load_state_dict({"factor": factor, "decided_at": 5, "fresh": 1, "world_size": saved})
+    run = PrintingRun()
+    ctx = Context(factor=2, world_size=world, micro_batch_size=4, run=run)
+    Features([growth]).dispatch(Event.FIT_START, ctx)
+    assert growth.factor == carried
+    assert ctx.factor == max(2, carried)  # the schedule's 2 is the floor
+    above = ", above adaptive_max_factor=8" if carried > 8 else ""  # the batch is kept; growth stops there
+    assert run.printed == [
+        f"AccumulationScheduler: adaptive growth resumed on {world} process(es) from a checkpoint written on {saved}:"
+        f" factor {factor} -> {carried} keeps the global batch of {factor * saved * 4} samples{above}"
+    ]
+    assert growth.state_dict()["world_size"] == world  # what the next checkpoint says
+
+
+def test_adaptive_growth_refuses_a_global_batch_the_new_ranks_cannot_hold_naming_the_nearest_factor():
+    growth = AdaptiveGrowth()
+    growth.load_state_dict({"factor": 3, "world_size": 1})
+    ctx = Context(factor=1, world_size=2, micro_batch_size=4, run=PrintingRun())
+    with pytest.raises(
+        ValueError,
+        match=r"factor 3 on 1 process\(es\), a global batch of 12 samples.*nearest whole"
+        r" factor is 2 \(a global batch of 16\)",
+    ):
+        Features([growth]).dispatch(Event.FIT_START, ctx)
+    assert growth.factor == 3
+
+
+def test_adaptive_growth_from_a_checkpoint_without_its_ranks_or_on_the_same_ranks_keeps_its_factor():
+    for state in ({"factor": 4}, {"factor": 4, "world_size": 2}):
+        growth = AdaptiveGrowth()
+        growth.load_state_dict(state)
+        run = PrintingRun()
+        Features([growth]).dispatch(Event.FIT_START, Context(factor=1, world_size=2, micro_batch_size=4, run=run))
+        assert growth.factor == 4
+        assert run.printed == []
+
+
+def test_a_fixed_factor_resumed_on_other_ranks_names_the_old_and_new_global_batch_and_what_keeps_it():
+    from lightning_accum.data_position import DataPosition
+
+    position = DataPosition()
+    position.load_state_dict({"position": 0, "world_size": 2, "epoch_size": 64, "order": None})
+    run = PrintingRun()
+    ctx = Context(factor=4, world_size=1, micro_batch_size=4, run=run)
+    position.say_global_batch(ctx, target_batch_size=None, grows=False)
+    assert run.printed == [
+        "AccumulationScheduler: resumed on 1 process(es) from a checkpoint written on 2: the global batch is now 16"
+        " samples (factor 4 x micro-batch 4 x 1), was 32. `target_batch_size=32` keeps it on any number of processes"
+    ]
+    position.say_global_batch(ctx, target_batch_size=32, grows=False)  # the target keeps it: nothing to say
+    position.say_global_batch(ctx, target_batch_size=None, grows=True)  # adaptive growth says its own line
+    ctx.world_size = 2
+    position.say_global_batch(ctx, target_batch_size=None, grows=False)  # the same ranks
+    assert len(run.printed) == 1
+
+
 # ------------------------------------------------------------------ LR scaling
 
 

@@ -296,3 +296,42 @@ def test_the_deepspeed_strategy_methods_overridden_for_cpu_and_accumulation_keep
         source = inspect.getsource(method)
         assert "deepspeed.initialize(\n" in source
         assert "args=argparse.Namespace(device_rank=self.root_device.index)" in source
+
+
+def test_a_restarted_epoch_counts_its_batches_from_the_progress_the_callback_shifts_and_reads_the_batch_sampler_anew():
+    """What lightning_accum/_resume.py's ``reposition`` relies on (issue 47): a loader without state restarted in the
+    middle of an epoch iterates from its sampler's start, and the epoch ends when the fetcher's count, started at
+    ``batch_progress.current.ready``, reaches the loader's length; Lightning sets the epoch through the batch sampler's
+    ``sampler`` (``_set_sampler_epoch``); the fit loop holds a ``_data_fetcher`` that ``iter`` makes anew."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.pytorch.loops.fetchers import _DataFetcher
+
+    source = inspect.getsource(_TrainingEpochLoop.on_run_start)
+    assert "data_fetcher.fetched += self.batch_progress.current.ready" in source
+    assert "self.done = self.fetched >= self.length" in inspect.getsource(_DataFetcher.__next__)
+    for name in ("ready", "started", "processed", "completed"):
+        assert hasattr(_TrainingEpochLoop(trainer()).batch_progress.current, name)
+
+    class Epoch:
+        epoch = -1
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epoch = epoch
+
+    data = torch.utils.data.DataLoader(range(8), batch_size=2)
+    data.batch_sampler.sampler = Epoch()  # what reposition installs: a BatchSampler's sampler may be replaced
+    _set_sampler_epoch(data, 3)
+    assert data.batch_sampler.sampler.epoch == 3
+
+
+def test_fabric_sets_the_sampler_epoch_to_its_own_count_of_iterations():
+    """lightning_accum/fabric/_data.py gives Fabric's loader wrapper the run's epoch through this private count."""
+    from lightning.fabric.wrappers import _FabricDataLoader
+
+    sampler = torch.utils.data.DistributedSampler(range(8), num_replicas=2, rank=0)
+    wrapped = _FabricDataLoader(torch.utils.data.DataLoader(range(8), batch_size=2, sampler=sampler))
+    assert wrapped._num_iter_calls == 0
+    wrapped._num_iter_calls = 5
+    list(wrapped)
+    assert sampler.epoch == 5
+    assert wrapped._num_iter_calls == 6

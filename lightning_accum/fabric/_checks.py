@@ -132,6 +132,15 @@ def check_entry(nested: bool, offered: bool) -> None:
         )
 
 
+def check_backed(loss: object, index: int, size: int) -> None:
+    """A ``micro_step`` block must backpropagate its loss (``loss``: what ``micro.backward`` recorded, or ``None``)."""
+    if loss is None:
+        raise RuntimeError(
+            f"The `micro_step` block of micro-batch {index} of {size} ended without `micro.backward(loss)`: every"
+            " micro-batch of a window backpropagates its loss"
+        )
+
+
 def check_taken(offered: bool) -> None:
     """Refuse a micro-batch ``batches`` yielded and the loop did not train on (``offered``: it is still on offer)."""
     if offered:

@@ -30,6 +30,7 @@ from lightning_accum._lightning import fabric_names
 from lightning_accum.adaptive import check_needs_noise_scale
 from lightning_accum.events import Context, Event, Feature, Features
 from lightning_accum.fabric._checks import (
+    check_backed,
     check_between_windows,
     check_entry,
     check_open,
@@ -40,6 +41,7 @@ from lightning_accum.fabric._checks import (
     driven,
     early_step,
 )
+from lightning_accum.fabric._data import LoaderPosition
 from lightning_accum.fabric._parts import LoaderBatch, Piece, check_halves, pieces
 from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window, over_ranks
 from lightning_accum.fabric._run import FabricRun
@@ -202,8 +204,8 @@ class Accumulator:
         if micro_batch_size is not None:  # a target batch that cannot be reached is refused now, naming the numbers
             self._spec.build(micro_batch_size, data_parallel_size)
         self._schedule: Schedule | None = None  # built at the first epoch, from the micro-batch size the ranks share
-        self._epoch = 0  # epochs completed (calls of `batches` that reached their iterable's end)
-        self._in_epoch = 0  # micro-batches taken in the epoch in progress
+        self._epoch, self._in_epoch = 0, 0  # epochs completed (calls of `batches` that reached the end); its batches
+        self._data = LoaderPosition(fabric)  # the place in the loader's samples, on any number of ranks
         self._epoch_length = math.inf  # the iterable's length in the epoch in progress
         self._max_steps = -1
         self._active: MicroStep | None = None  # the micro-step whose block is open
@@ -211,8 +213,7 @@ class Accumulator:
         self._ended: MicroStep | None = None  # the micro-step whose block exited, until its end is dispatched
         self._in_call = 0  # micro-batches taken in the call of `batches` in progress
         self._ends_epoch = False  # the window in progress holds the rest of the epoch
-        self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero)
-        ctx = self._ctx
+        ctx = self._ctx = Context(world_size=data_parallel_size, is_global_zero=fabric.is_global_zero)
         ctx.module, ctx.broadcast = self._model.module, lambda obj: fabric.broadcast(obj)
         ctx.reduce = over_ranks(self._group, data_parallel_size)
         ctx.run = FabricRun(
@@ -322,6 +323,7 @@ class Accumulator:
         self._max_steps, ctx = -1 if budget.steps is None else budget.steps, self._ctx
         self._start_epoch(iterable)
         budget.check_counted(ctx.samples_per_micro_step)
+        self._in_epoch = self._data.open(iterable, self._epoch, self._in_epoch)  # a resumed loader starts on
         self._in_call = 0  # micro-batches this call took: a sized iterable ends after its length
         iterator = iter(iterable)
         try:
@@ -339,6 +341,7 @@ class Accumulator:
                     break
         finally:
             self._offered = None
+            self._data.close()
             if self._inside_window:  # left inside a window (an error, a break)
                 self._discard_window()
             self._finish_window()
@@ -356,6 +359,7 @@ class Accumulator:
             ctx.schedule, ctx.factor = self._schedule, self._scheduled_factor()
             ctx.optimizers, ctx.summary = [self._optimizer], []
             self._features.dispatch(Event.FIT_START, ctx)
+            self._data.data.say_global_batch(ctx, self._spec.target_batch_size, "adaptive" in self._features)
             self._features.settle()
             self._hooks[1].remove()  # the window ends after the features' own post-step hooks (LR scaling's restore)
             self._hooks[1] = self._optimizer.register_step_post_hook(self._after_step)
@@ -408,8 +412,7 @@ class Accumulator:
         ctx = self._ctx
         check_open("micro_step", self._closed)
         check_entry(nested=self._active is not None, offered=self._offered is not None and batch is self._offered)
-        self._offered = None
-        piece = self._pieces[self._begun]
+        piece, self._offered = self._pieces[self._begun], None
         if piece.first:  # the window counts loader batches: opened with what it holds, closes at its last
             ctx.window.take(ends_epoch=False)
         micro = MicroStep(self, self._begun, len(self._pieces))
@@ -432,11 +435,7 @@ class Accumulator:
             raise
         finally:
             self._active = None
-        if micro.loss is None:
-            raise RuntimeError(
-                f"The `micro_step` block of micro-batch {micro.index} of {micro.size} ended without"
-                " `micro.backward(loss)`: every micro-batch of a window backpropagates its loss"
-            )
+        check_backed(micro.loss, micro.index, micro.size)
         self._end_micro_step(micro, piece)
 
     def _sync(self, last: bool) -> AbstractContextManager:
@@ -477,8 +476,8 @@ class Accumulator:
         self._ended = None
         ctx.samples_seen += ctx.samples_per_micro_step
         ctx.micro_steps += 1
-        self._in_epoch += 1
-        self._in_call += 1
+        self._in_epoch, self._in_call = self._in_epoch + 1, self._in_call + 1
+        self._data.took()
         loss, whole, self._loader_batch = micro.loss, self._loader_batch, LoaderBatch()
         if whole.loss is not None:  # a loader batch run in parts: the whole batch's loss and items
             loss, ctx.items = whole.loss, whole.items if ctx.items is not None else None
@@ -538,8 +537,10 @@ class Accumulator:
         self._check_between_windows("Accumulator.state_dict")
         self._finish_window()
         ctx = self._ctx
-        own = dict(epoch=self._epoch, micro_batches_in_epoch=self._in_epoch, optimizer_steps=ctx.optimizer_steps)
-        own |= dict(samples_seen=ctx.samples_seen, micro_steps=ctx.micro_steps)
+        own: dict[str, Any] = dict(
+            epoch=self._epoch, micro_batches_in_epoch=self._in_epoch, optimizer_steps=ctx.optimizer_steps
+        )
+        own |= dict(samples_seen=ctx.samples_seen, micro_steps=ctx.micro_steps, data=self._data.data.state_dict())
         return {**own, **self._features.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -551,6 +552,7 @@ class Accumulator:
         ctx.optimizer_steps = int(state.get("optimizer_steps", 0))
         ctx.samples_seen = int(state.get("samples_seen", 0))
         ctx.micro_steps = int(state.get("micro_steps", 0))
+        self._data.data.load_state_dict(state.get("data", {}))
         self._features.load_state_dict(state)
         if "token_count" in self._features:  # the schedule's position, as the first epoch's FIT_START publishes it
             ctx.tokens_seen = self._features["token_count"].tokens_seen  # type: ignore[attr-defined]

@@ -70,13 +70,17 @@ class AdaptiveGrowth(Feature):
         self.factor = 0  # 0 until the policy has set one
         self._decided_at = 0  # the optimizer step of the measured window the latest decision read
         self._fresh = 0  # windows measured since the factor last changed: the evidence a decision may use
+        self._world = 0  # the ranks the factor was reached on (0: not yet known)
 
     @override
     def reset(self) -> None:
-        self.factor, self._decided_at, self._fresh = 0, 0, 0
+        self.factor, self._decided_at, self._fresh, self._world = 0, 0, 0, 0
 
     @override
     def fit_start(self, ctx: Context) -> None:
+        if self.factor and self._world and self._world != ctx.world_size:  # resumed on another number of ranks
+            self.factor = _carried(ctx, self.factor, self._world, self.policy.max_factor)
+        self._world = ctx.world_size
         self._apply(ctx)
         if 0 < ctx.run.max_steps <= ctx.planned_steps and any(
             isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers
@@ -131,13 +135,40 @@ class AdaptiveGrowth(Feature):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "decided_at": self._decided_at, "fresh": self._fresh}
+        return {"factor": self.factor, "decided_at": self._decided_at, "fresh": self._fresh, "world_size": self._world}
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.factor = int(state.get("factor", 0))
         self._decided_at = int(state.get("decided_at", state.get("checked_at", 0)))
         self._fresh = int(state.get("fresh", 0))
+        self._world = int(state.get("world_size", 0))  # 0: written before it was kept, taken as this run's
+
+
+def _carried(ctx: Context, factor: int, world: int, max_factor: int) -> int:
+    """The factor that keeps, on ``ctx.world_size`` ranks, the global batch ``factor`` reached on ``world``.
+
+    It may exceed ``max_factor`` on fewer ranks (the batch is kept; growth stops there).
+
+    Raises:
+        ValueError: Where that batch is no whole factor on these ranks, naming the nearest.
+    """
+    micro, batch = ctx.micro_batch_size or 1, factor * world
+    if batch % ctx.world_size:
+        near = max(1, round(batch / ctx.world_size))
+        raise ValueError(
+            f"{ctx.run.owner}: adaptive growth had reached factor {factor} on {world} process(es), a global batch of"
+            f" {batch * micro} samples, which {ctx.world_size} processes cannot hold in whole micro-batches"
+            f" ({batch} micro-batches over {ctx.world_size}); the nearest whole factor is {near} (a global batch of"
+            f" {near * ctx.world_size * micro}). Resume on a number of processes that divides {batch}"
+        )
+    above = f", above adaptive_max_factor={max_factor}" if batch // ctx.world_size > max_factor else ""
+    ctx.run.print(
+        f"{ctx.run.owner}: adaptive growth resumed on {ctx.world_size} process(es) from a checkpoint written on"
+        f" {world}: factor {factor} -> {batch // ctx.world_size} keeps the global batch of {batch * micro} samples"
+        + above
+    )
+    return batch // ctx.world_size
 
 
 def _decision_line(ctx: Context, current: int, decision: Decision, per_factor: float, target: float) -> str:
