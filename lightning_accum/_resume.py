@@ -178,6 +178,25 @@ def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
     return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
 
+def drop_loader_states_of_other_ranks(trainer: pl.Trainer, checkpoint: dict[str, Any], key: str) -> None:
+    """Drop the dataloader states of a checkpoint of another number of ranks, before Lightning loads them.
+
+    They count one rank's batches among that many, which would put every rank at the wrong place; the sampler is
+    repositioned by samples instead (:func:`reposition`), where it can be.
+    """
+    saved = checkpoint.get("callbacks", {}).get(key, {}).get("data", {}).get("world_size")
+    fit_loop, world = checkpoint.get("loops", {}).get("fit_loop"), data_parallel(trainer)[0]
+    if saved in (None, 0, world) or not isinstance(fit_loop, dict):
+        return
+    if fit_loop.get("state_dict", {}).pop("combined_loader", None):
+        rank_zero_warn(
+            f"AccumulationScheduler: the checkpoint was written on {saved} process(es) and this run has {world}: the"
+            " train dataloader's own state (`state_dict`: one rank's count of its own batches) cannot say where each"
+            " rank is now, so it is not loaded; the loader starts at the first sample the run had not consumed where"
+            " its sampler allows it (a sequential sampler or a DistributedSampler)"
+        )
+
+
 def reposition(trainer: pl.Trainer, data: DataPosition) -> Repositioned | None:
     """Start the train dataloader at the first sample the resumed run had not consumed, on any number of ranks.
 
@@ -190,16 +209,9 @@ def reposition(trainer: pl.Trainer, data: DataPosition) -> Repositioned | None:
     """
     world, rank = data_parallel(trainer)
     loop = trainer.fit_loop
-    if loop.on_save_checkpoint().get("combined_loader"):  # a loader with state_dict, which Lightning gave its state
-        if data.resumed_from in (None, world):
-            data.forget()
-            return None
-        rank_zero_warn(
-            f"AccumulationScheduler: the checkpoint was written on {data.resumed_from} process(es) and this run has"
-            f" {world}: the train dataloader's own state (one rank's count of its own batches) cannot say where each"
-            " rank is now, so its iterator is made anew, at the first sample the run had not consumed where the"
-            " sampler allows it (a sequential sampler or a DistributedSampler)"
-        )
+    if data.resumed_from in (None, world) and loop.on_save_checkpoint().get("combined_loader"):
+        data.forget()  # a loader with state_dict on the same ranks: Lightning gave it its state
+        return None
     loader = trainer.train_dataloader
     plan = data.resume(loader, world, rank, trainer.current_epoch)
     progress: Any = loop.epoch_loop.batch_progress

@@ -24,7 +24,7 @@ from lightning_accum._loop import LoopControl, ends_epoch
 from lightning_accum._microbatch import AUTO, MicroBatcher
 from lightning_accum._position import count_steps, factor_before_training, loader_batch_size, plan, scheduled_factor
 from lightning_accum._ranks import agree_on_batches
-from lightning_accum._resume import ResumePoint
+from lightning_accum._resume import ResumePoint, drop_loader_states_of_other_ranks
 from lightning_accum._run import bind
 from lightning_accum._types import Confidence, Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
 from lightning_accum.events import Context, Event, Feature, Features
@@ -180,8 +180,7 @@ class AccumulationScheduler(Callback):
         if stage != "fit":
             return
         check_trainer(trainer, pl_module, self, AccumulationScheduler)
-        ctx = self._ctx
-        bind(ctx, trainer, pl_module)
+        bind(ctx := self._ctx, trainer, pl_module)
         if trainer.global_step == 0:  # a new run (a checkpoint, restored after setup, overrides this)
             ctx.samples_seen = ctx.micro_steps = 0
             ctx.window = Window()
@@ -229,8 +228,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
-        ctx = self._ctx
-        self._resume.in_step = False  # a batch whose rest of epoch was skipped (-1) never reached its end
+        ctx, self._resume.in_step = self._ctx, False  # a batch whose rest of epoch was skipped (-1) never ended
         if not ctx.window.closed:  # an epoch cut short (should_stop, a skipped rest of epoch): it never stepped
             ctx.window.discard()
             _drop_unreduced_gradients(trainer)
@@ -298,8 +296,7 @@ class AccumulationScheduler(Callback):
         if not self._in_charge:
             return
         ctx = self._ctx
-        ctx.samples_seen += ctx.samples_per_micro_step
-        ctx.micro_steps += 1
+        ctx.samples_seen, ctx.micro_steps = ctx.samples_seen + ctx.samples_per_micro_step, ctx.micro_steps + 1
         self._resume.data.batch_ended(trainer, ctx.batch_idx)
         if ctx.window.closed:  # the window's last micro-step, which steps (or skipped its step)
             ctx.optimizer_steps = trainer.global_step
@@ -365,10 +362,13 @@ class AccumulationScheduler(Callback):
         self._features.on_save_checkpoint(checkpoint)
 
     @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        drop_loader_states_of_other_ranks(trainer, checkpoint, self.state_key)  # before Lightning loads them
+
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         ctx, self._resume.restored = self._ctx, True
-        ctx.samples_seen = int(state_dict.get("samples_seen", 0))
-        ctx.micro_steps = int(state_dict.get("micro_steps", 0))
+        ctx.samples_seen, ctx.micro_steps = (int(state_dict.get(key, 0)) for key in ("samples_seen", "micro_steps"))
         self._resume.data.load_state_dict(state_dict.get("data", {}))
         self._batcher.load_state_dict(state_dict)
         self._features.load_state_dict(state_dict)

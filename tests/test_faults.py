@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
@@ -307,3 +307,23 @@ def test_an_epoch_end_checkpoint_of_a_loader_whose_place_cannot_be_set_resumes_w
         warnings.filterwarnings("error", message=r".*(middle of an epoch|trained again)")
         resumed_trainer.fit(Module(seed=99), shuffled, ckpt_path=tmp_path / "end.ckpt")
     assert resumed_trainer.global_step == 8
+
+
+def test_a_loader_state_of_another_number_of_ranks_is_not_loaded_and_the_sampler_starts_where_the_run_stopped(tmp_path):
+    """A loader with ``state_dict`` whose checkpoint came from 2 ranks (fault injection: a real 1-process checkpoint
+    whose callback state says 2): its state counts one rank's batches of 2, so it is dropped before Lightning loads it,
+    with a warning, and the sequential sampler starts at the first sample not consumed. Loaded, the state would skip 6
+    more batches on top of the repositioned sampler."""
+    every_3 = ModelCheckpoint(dirpath=tmp_path, filename="{step}", save_top_k=-1, every_n_train_steps=3)
+    whole = Module()
+    whole_trainer = trainer([AccumulationScheduler({0: 2}), every_3], max_epochs=2, enable_checkpointing=True)
+    whole_trainer.fit(whole, _loader())
+    checkpoint = torch.load(tmp_path / "step=3.ckpt", weights_only=False)  # after 6 of epoch 0's 10 batches
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"consumed": 6}]
+    checkpoint["callbacks"]["AccumulationScheduler"]["data"]["world_size"] = 2
+    torch.save(checkpoint, tmp_path / "from_two.ckpt")
+    resumed, resumed_trainer = Module(seed=99), trainer([AccumulationScheduler({0: 2})], max_epochs=2)
+    with pytest.warns(UserWarning, match=r"written on 2 process\(es\) and this run has 1.*it is not loaded"):
+        resumed_trainer.fit(resumed, _loader(), ckpt_path=tmp_path / "from_two.ckpt")
+    assert resumed_trainer.global_step == whole_trainer.global_step
+    assert max_deviation(weights(resumed), weights(whole)) <= 1e-6
