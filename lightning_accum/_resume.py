@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_accum._position import loader_batch_size
-from lightning_accum.data_position import DataPosition
+from lightning_accum.data_position import DataPosition, sampler_ranks
 from lightning_accum.events import Context
 from lightning_accum.schedule import ScheduleSpec
 
@@ -172,12 +172,6 @@ def count_from_the_loop(trainer: pl.Trainer, samples_per_micro_step: int) -> tup
     return done, samples
 
 
-def data_parallel(trainer: pl.Trainer) -> tuple[int, int]:
-    """``(ranks, rank)`` among which the train dataloader's samples are dealt (the strategy's sampler arguments)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
-
-
 def drop_loader_states_of_other_ranks(trainer: pl.Trainer, checkpoint: dict[str, Any], key: str) -> None:
     """Drop the dataloader states of a checkpoint of another number of ranks, before Lightning loads them.
 
@@ -185,7 +179,7 @@ def drop_loader_states_of_other_ranks(trainer: pl.Trainer, checkpoint: dict[str,
     repositioned by samples instead (:func:`reposition`), where it can be.
     """
     saved = checkpoint.get("callbacks", {}).get(key, {}).get("data", {}).get("world_size")
-    fit_loop, world = checkpoint.get("loops", {}).get("fit_loop"), data_parallel(trainer)[0]
+    fit_loop, world = checkpoint.get("loops", {}).get("fit_loop"), sampler_ranks(trainer.strategy)[0]
     if saved in (None, 0, world) or not isinstance(fit_loop, dict):
         return
     if fit_loop.get("state_dict", {}).pop("combined_loader", None):
@@ -207,7 +201,7 @@ def reposition(trainer: pl.Trainer, data: DataPosition) -> Repositioned | None:
     cannot be set is warned of, naming what the resumed epoch repeats. Private names of Lightning's fit loop (the
     data fetcher, pinned by ``tests/test_lightning_contract.py``).
     """
-    world, rank = data_parallel(trainer)
+    world, rank = sampler_ranks(trainer.strategy)
     loop = trainer.fit_loop
     if data.resumed_from in (None, world) and loop.on_save_checkpoint().get("combined_loader"):
         data.forget()  # a loader with state_dict on the same ranks: Lightning gave it its state
@@ -266,7 +260,7 @@ class LoaderPosition:
 
     def __init__(self) -> None:
         self.data = DataPosition()
-        self._rows = 0  # the train dataloader's rows per batch (0: not known)
+        self._rows, self._world = 0, 1  # the train dataloader's rows per batch (0: not known); the ranks
         self._kept: Repositioned | None = None
 
     def fit_started(self, trainer: pl.Trainer, ctx: Context, spec: ScheduleSpec, grows: bool) -> None:
@@ -275,17 +269,17 @@ class LoaderPosition:
         The loader states a checkpoint holds go to loaders that sizing a schedule set up early (Lightning #20550).
         """
         restore_loader_states(trainer)
-        self._rows = loader_batch_size(trainer) or 0
+        self._rows, self._world = loader_batch_size(trainer) or 0, sampler_ranks(trainer.strategy)[0]
         self._kept = reposition(trainer, self.data)
-        self.data.describe(trainer.train_dataloader, data_parallel(trainer)[0])
+        self.data.describe(trainer.train_dataloader, self._world)
         self.data.say_global_batch(ctx, spec.target_batch_size, grows)
 
     def batch_ended(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """Every rank consumed a loader batch; an epoch's first begins at its order's first position (anew)."""
         if batch_idx == 0:
             self.data.start_epoch(trainer.current_epoch)
-            self.data.describe(trainer.train_dataloader, data_parallel(trainer)[0])
-        self.data.took(self._rows, data_parallel(trainer)[0])
+            self.data.describe(trainer.train_dataloader, self._world)
+        self.data.took(self._rows, self._world)
 
     def state_dict(self) -> dict[str, Any]:
         """The position, the ranks and the order (:meth:`DataPosition.state_dict`)."""

@@ -161,9 +161,9 @@ class DataPosition:
         """At an epoch's start: the order ``loader`` deals (``None`` where it cannot be told) on ``world_size``."""
         sampler = _sampler(loader)
         self.order = order_of(sampler) if sampler is not None else None
-        size = _len(sampler)
-        if size is None and _len(loader) is not None:  # a batch sampler of its own: its batches times their rows
-            size = _len(loader) * (getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or 0)  # type: ignore[operator]
+        size, batches = _len(sampler), _len(loader)
+        if size is None and batches is not None:  # a batch sampler of its own: its batches times their rows
+            size = batches * (getattr(getattr(loader, "batch_sampler", None), "batch_size", None) or 0)
         self.epoch_size, self.world_size = (size or 0) * world_size, world_size
 
     def start_epoch(self, epoch: int) -> None:
@@ -240,6 +240,12 @@ class DataPosition:
         left = max(0, -(-(length * world_size - position) // world_size))  # this rank's indices left in the epoch
         left_batches = left // rows if batch_sampler.drop_last else -(-left // rows)
         return Resume(Dealt(run_order, rank, world_size, length, epoch, position), batches - left_batches, batches)
+
+
+def sampler_ranks(strategy: Any) -> tuple[int, int]:
+    """``(ranks, rank)`` among which ``strategy`` deals a loader's samples (its ``distributed_sampler_kwargs``)."""
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
 
 def _len(obj: Any) -> int | None:

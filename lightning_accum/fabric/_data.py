@@ -16,7 +16,7 @@ from typing import Any
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_accum.data_position import DataPosition, Dealt
+from lightning_accum.data_position import DataPosition, Dealt, sampler_ranks
 
 
 class LoaderPosition:
@@ -32,8 +32,7 @@ class LoaderPosition:
 
     def __init__(self, fabric: Fabric) -> None:
         self.data = DataPosition()
-        kwargs = getattr(fabric.strategy, "distributed_sampler_kwargs", None) or {}
-        self._world, self._rank = int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+        self._world, self._rank = sampler_ranks(fabric.strategy)
         self._dealt: Dealt | None = None  # what the loader deals from for the rest of the run, once resumed
         self._own: tuple[Any, Any] | None = None  # (batch sampler, its own sampler) while a call of batches runs
         self._rows = 0
