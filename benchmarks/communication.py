@@ -70,7 +70,7 @@ class MLP(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard:
-            from torch.distributed.fsdp import fully_shard
+            from lightning_accum._torch import fully_shard
 
             for block in self.net:
                 fully_shard(block, mesh=self.device_mesh["data_parallel"])

@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum._lightning import TRAINER_PACKAGES, trainer_names
 from lightning_accum._position import count_steps
+from lightning_accum._torch import require_fsdp2
 from lightning_accum.adaptive import check_needs_noise_scale
 from lightning_accum.events import takes_dataloader_iter
 from lightning_accum.schedule import Schedule, ScheduleSpec
@@ -73,6 +74,20 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
         rank_zero_warn(
             "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
             f" use {names.home}.ModelParallelAccumulationStrategy to reduce once per optimizer step"
+        )
+
+
+def check_fsdp2(trainer: pl.Trainer) -> None:
+    """Refuse a model with ``fully_shard`` units on a torch older than the FSDP2 mechanics' floor (at fit start).
+
+    The window's FSDP2 gradients are read and reduced through FSDP2 state that is tested exact only from
+    ``lightning_accum._torch.FSDP2_FLOOR`` on.
+    """
+    if fsdp2_modules(trainer.strategy.model):
+        require_fsdp2(
+            "AccumulationScheduler on a model with `fully_shard` (FSDP2) units",
+            f"train it with {trainer_names(trainer).home}.DDPAccumulationStrategy or FSDPAccumulationStrategy"
+            " (FSDP1) instead",
         )
 
 

@@ -17,7 +17,7 @@ from importlib import metadata
 # tested against every minor release from LIGHTNING_FLOOR up to, not including, LIGHTNING_CEILING)
 LIGHTNING_FLOOR = (2, 5, 1)
 LIGHTNING_CEILING = (2, 7, 0)
-TORCH_FLOOR = (2, 13, 0)
+TORCH_FLOOR = (2, 4, 0)
 
 
 def release(version: str) -> tuple[int, int, int]:

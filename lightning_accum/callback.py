@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_accum._checks import check_arguments, check_splitting, check_trainer, warn_at_fit_start
+from lightning_accum._checks import check_arguments, check_fsdp2, check_splitting, check_trainer, warn_at_fit_start
 from lightning_accum._loop import LoopControl, ends_epoch
 from lightning_accum._microbatch import AUTO, MicroBatcher
 from lightning_accum._position import count_steps, factor_before_training, loader_batch_size, plan, scheduled_factor
@@ -199,6 +199,7 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_fsdp2(trainer)  # before the first window: FSDP2 on a torch whose FSDP2 state is not known is refused
         ctx, batcher = self._ctx, self._batcher
         # the one place the micro-batch size is decided, the same on every rank, so every rank builds one schedule
         split = batcher.auto or (batcher.size is not None and batcher.size < (loader_batch_size(trainer) or 0))

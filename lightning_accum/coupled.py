@@ -26,6 +26,8 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from lightning_accum._torch import dtensor_type, tree_flatten_with_path
+
 Listener = Callable[[int, int | None], int | None]
 _listeners: list[Listener] = []
 _NARROW = (torch.bfloat16, torch.float16)
@@ -238,11 +240,9 @@ def _sharded_by(param: torch.Tensor) -> str | None:
         return "a DeepSpeed ZeRO-3 partition"
     if getattr(param, "_fsdp_flattened", False) or getattr(param, "_is_flat_param", False):
         return "part of an FSDP flat parameter"
-    if dist.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(param, DTensor):
-            return "a DTensor (FSDP2 or tensor parallelism)"
+    dtensor = dtensor_type()
+    if dtensor is not None and isinstance(param, dtensor):
+        return "a DTensor (FSDP2 or tensor parallelism)"
     return None
 
 
@@ -265,7 +265,7 @@ def _rows(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     named = [
         (f"{where}{pytree.keystr(path)}", leaf)
         for where, tree in (("inputs", inputs), ("kwargs", kwargs))
-        for path, leaf in pytree.tree_flatten_with_path(tree)[0]
+        for path, leaf in tree_flatten_with_path(tree)[0]
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0
     ]
     if not named:
@@ -281,7 +281,7 @@ def _attention_mask(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
     """The one 2-D tensor under the key ``attention_mask`` in the arguments, for ``chunk_tokens``."""
     found = [
         leaf
-        for path, leaf in pytree.tree_flatten_with_path((inputs, kwargs))[0]
+        for path, leaf in tree_flatten_with_path((inputs, kwargs))[0]
         if path and getattr(path[-1], "key", None) == "attention_mask" and isinstance(leaf, torch.Tensor)
     ]
     if len(found) != 1 or found[0].dim() != 2:
@@ -386,7 +386,7 @@ class _Chunks:
 
         What is not a tensor is kept from the first chunk (:attr:`constants`).
         """
-        found, spec = pytree.tree_flatten_with_path(output)
+        found, spec = tree_flatten_with_path(output)
         for path, leaf in found:
             if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] != rows):
                 what = f"{leaf.shape[0]} rows" if leaf.dim() else "a tensor without dimensions"

@@ -15,7 +15,7 @@ every micro-batch backpropagates its unscaled loss, and:
 
 The window's gradient is then the float32 weighted sum over its micro-batches and the ranks, rounded once. This reads
 and writes torch-private FSDP2 state: a parameter's ``_unsharded_param`` and ``unsharded_accumulated_grad``, a param
-group's ``mp_policy`` and ``_all_reduce_hook`` (torch 2.4 to 2.13; ``tests/test_torch_contract.py`` fails if they
+group's ``mp_policy`` and ``_all_reduce_hook`` (torch 2.9 to 2.14; ``tests/test_torch_contract.py`` fails if they
 change). Pure torch: no Lightning import.
 """
 

@@ -21,7 +21,8 @@ only add all-reduces there.
 
 FSDP2 keeps the gradients of skipped reductions in its own unsharded buffers, which ``optimizer.zero_grad()`` does
 not reach: :func:`drop_fsdp2_pending_gradients` clears them when a window is abandoned before its last micro-step.
-Both read torch-private FSDP2 state (torch 2.4 to 2.13; ``tests/test_torch_contract.py`` fails if it changes).
+Both read torch-private FSDP2 state (torch 2.9 to 2.14, the releases lightning_accum runs FSDP2 on;
+``tests/test_torch_contract.py`` fails if it changes).
 
 FSDP2 all-gathers and reduce-scatters a unit only on the ranks that run it, so a unit that some ranks skip
 (conditional compute) pairs the ranks' collectives wrongly, whatever the policy. :class:`FSDP2CollectiveGuard` makes
@@ -37,6 +38,8 @@ from contextlib import contextmanager
 from typing import Any, Literal, cast
 
 from torch import nn
+
+from lightning_accum._torch import fsdp2_reduces_unused_params, fsdp_module_type
 
 GradientSync = Literal["last", "every", "reduce_scatter"]
 GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every", "reduce_scatter")
@@ -88,11 +91,10 @@ def checked_windows(value: object) -> int | None:
 
 def fsdp2_modules(module: nn.Module | None) -> list[nn.Module]:
     """The modules under ``module`` (itself included) that ``fully_shard`` was applied to."""
-    if module is None:
+    fsdp_module = fsdp_module_type()
+    if module is None or fsdp_module is None:
         return []
-    from torch.distributed.fsdp import FSDPModule
-
-    return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
+    return [sub for sub in module.modules() if isinstance(sub, fsdp_module)]
 
 
 def has_no_sync(module: nn.Module | None) -> bool:
@@ -422,12 +424,17 @@ class FSDP2CollectiveGuard:
         where = "; ".join(
             f"{'rank' if len(who) == 1 else 'ranks'} {', '.join(map(str, who))}: {what}" for what, who in ranks.items()
         )
+        other_fix = (  # torch 2.13 and newer
+            ", or leave it out of `fully_shard` so that it belongs to a unit every rank runs, and call"
+            " `set_reduce_scatter_unused_params(True)` on that unit"
+            if fsdp2_reduces_unused_params()
+            else ""
+        )
         return (
             f"FSDP2 units ran differently on the ranks: the ranks are about to issue different collectives ({where}),"
             " which would hang or crash the run, so every rank raises here instead. Every FSDP2 unit (a module given"
             " to `fully_shard`) must run its forward and backward on every rank, in the same order, in every"
             " micro-step: a unit that only some ranks run (conditional compute, a mixture of experts, a head used"
             " only sometimes) cannot be all-gathered or reduced. Call it on every rank, with zero weight where its"
-            " result is not needed (`h = h + 0 * unit(h)`), or leave it out of `fully_shard` so that it belongs to"
-            " a unit every rank runs, and call `set_reduce_scatter_unused_params(True)` on that unit"
+            f" result is not needed (`h = h + 0 * unit(h)`){other_fix}"
         )

@@ -23,11 +23,50 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
+from lightning_accum._torch import FSDP2_FLOOR, has_fsdp2_mechanics
+
 if TYPE_CHECKING:  # the scripts the tests launch import this module too: they need no pytest
     import pytest
 
 IN_FEATURES = 5
 LR = 0.1
+
+# lightning_accum's FSDP2 mechanics run on this torch (else they are refused: tests/test_torch_versions.py); the
+# backends a multi-rank launch trains under here
+FSDP2 = has_fsdp2_mechanics()
+BACKENDS = ("ddp", "fsdp2") if FSDP2 else ("ddp",)
+NO_FSDP2 = (
+    f"lightning_accum refuses FSDP2 on torch {torch.__version__} (it needs torch>="
+    f"{'.'.join(map(str, FSDP2_FLOOR))}): the refusal is tested in tests/test_torch_versions.py"
+)
+
+
+def rank_records(out: Path, name: str) -> list[dict]:
+    """The two ranks' JSON records of the launched run ``name`` in ``out``; skipped for an FSDP2 run where it is
+    refused (the launch left it out)."""
+    if not FSDP2 and "fsdp2" in f"{Path(out).name}/{name}":
+        import pytest
+
+        pytest.skip(NO_FSDP2)
+    return [json.loads((Path(out) / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def backends(*names: str) -> list[Any]:
+    """Parameters for ``pytest.mark.parametrize``: ``names``, those under FSDP2 skipped where it is refused."""
+    import pytest
+
+    return [
+        pytest.param(name, marks=pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)) if "fsdp2" in name else name
+        for name in names
+    ]
+
+
+def mse(prediction: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``nn.functional.mse_loss``; in a narrow dtype written out (torch 2.4's CPU has no bfloat16 MSE kernel)."""
+    if prediction.dtype in (torch.float32, torch.float64):
+        return nn.functional.mse_loss(prediction, target, reduction=reduction)
+    squares = (prediction - target).square()
+    return squares.sum() if reduction == "sum" else squares.mean()
 
 
 def make_data(num_samples: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +89,7 @@ class RegressionModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        return mse(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr)

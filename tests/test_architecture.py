@@ -32,6 +32,7 @@ from lightning_accum.features import (
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_accum"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 PURE = [
+    "_torch",
     "fsdp2_precision",
     "schedule",
     "window",

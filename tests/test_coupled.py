@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
 
 from lightning_accum import coupled
+from lightning_accum._torch import fully_shard
 from lightning_accum.coupled import add_listener, all_gather_with_grad, cached
 from tests.helpers import launched_ahead
 

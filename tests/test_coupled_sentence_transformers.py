@@ -18,15 +18,21 @@ import lightning.pytorch as pl
 import pytest
 import sentence_transformers as st
 import torch
-from sentence_transformers.sentence_transformer.losses import (
-    CachedMultipleNegativesRankingLoss,
-    MultipleNegativesRankingLoss,
-)
-from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+import transformers
 from sentence_transformers.util import cos_sim
 from torch import nn
 from torch.utils.data import DataLoader
 from transformers import BertConfig, BertModel, BertTokenizerFast
+
+try:  # sentence-transformers 6 (beside transformers 5, torch >= 2.6)
+    from sentence_transformers.sentence_transformer.losses import (
+        CachedMultipleNegativesRankingLoss,
+        MultipleNegativesRankingLoss,
+    )
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+except ImportError:  # sentence-transformers 5 (beside transformers 4, the oldest supported torch)
+    from sentence_transformers.losses import CachedMultipleNegativesRankingLoss, MultipleNegativesRankingLoss
+    from sentence_transformers.models import Pooling, Transformer
 
 from lightning_accum import AccumulationScheduler, cached
 from tests.helpers import trainer
@@ -40,7 +46,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random BERT (2 layers, width 32, dropout 0.1) and a word-level tokenizer, saved as a model folder."""
     folder = tmp_path_factory.mktemp("tiny-bert")
     vocab = {word: index for index, word in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
-    BertTokenizerFast(vocab=vocab).save_pretrained(folder)
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        BertTokenizerFast(vocab=vocab).save_pretrained(folder)
+    else:  # transformers 4 reads the vocabulary from a file
+        (folder / "vocab.txt").write_text("".join(f"{word}\n" for word in vocab))
+        BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=len(vocab),
@@ -57,8 +67,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def sentence_model(folder: Path) -> st.SentenceTransformer:
     """The model in train mode (sentence-transformers builds it in eval mode): dropout draws its masks."""
     transformer = Transformer(str(folder))
-    model = st.SentenceTransformer(modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")])
+    width = getattr(transformer, "get_embedding_dimension", None) or transformer.get_word_embedding_dimension  # 6; 5
+    model = st.SentenceTransformer(modules=[transformer, Pooling(width(), "mean")])
     return model.train()
+
+
+def preprocess(model: st.SentenceTransformer, rows: list[str]) -> dict[str, Any]:
+    """The model's features of ``rows``, as its users make them: ``preprocess`` (sentence-transformers 6, with a
+    "modality" string) or ``tokenize`` (5)."""
+    return model.preprocess(rows) if hasattr(model, "preprocess") else model.tokenize(rows)
 
 
 def texts(seed: int, rows: int = ROWS) -> list[str]:
@@ -90,7 +107,7 @@ def deviation(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def st_cached_step(folder: Path, pair: tuple[list[str], list[str]]) -> dict[str, torch.Tensor]:
     model = sentence_model(folder)
-    features = [model.preprocess(side) for side in pair]
+    features = [preprocess(model, side) for side in pair]
     reference = CachedMultipleNegativesRankingLoss(model, scale=SCALE, mini_batch_size=CHUNK)
     return stepped(model, lambda: reference(features, None))
 
@@ -110,7 +127,7 @@ def test_sentence_transformers_inputs_as_they_come_take_its_own_cached_losss_ste
 
     def loss() -> torch.Tensor:
         if given_as == "preprocess":  # a dict of tensors and a "modality" string, positionally
-            sides = [cached(model, model.preprocess(side), chunk_size=CHUNK) for side in pair]
+            sides = [cached(model, preprocess(model, side), chunk_size=CHUNK) for side in pair]
             return mnrl(*(side["sentence_embedding"] for side in sides))
         encodings = [tokenizer(side, padding=True, return_tensors="pt") for side in pair]
         if given_as == "BatchEncoding":  # a UserDict, not a dict
@@ -124,7 +141,8 @@ def test_sentence_transformers_inputs_as_they_come_take_its_own_cached_losss_ste
 
 def test_the_non_tensor_outputs_are_the_first_chunks_and_the_callers_features_are_left_as_they_were(model_dir):
     model = sentence_model(model_dir)
-    features = model.preprocess(texts(3))
+    features = preprocess(model, texts(3))
+    features.setdefault("modality", "text")  # sentence-transformers 6's own non-tensor feature, carried by 5 too
     before = dict(features)
     out = cached(model, features, chunk_size=CHUNK)
     assert out["modality"] == "text"
@@ -151,20 +169,20 @@ def test_chunks_by_a_token_budget_take_the_plain_losss_step(model_dir):
     pair = tuple([" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40))) for _ in range(ROWS)] for _ in "qd")
     reference = sentence_model(model_dir).eval()
     plain = MultipleNegativesRankingLoss(reference, scale=SCALE)
-    expected = stepped(reference, lambda: plain([reference.preprocess(side) for side in pair], None))
+    expected = stepped(reference, lambda: plain([preprocess(reference, side) for side in pair], None))
     model = sentence_model(model_dir).eval()
     tower = SentenceEmbedding(model)
     sizes: list[tuple[int, int]] = []
     model[0].register_forward_pre_hook(lambda _, args: sizes.append(tuple(args[0]["input_ids"].shape)))
 
     def loss() -> torch.Tensor:
-        return mnrl(*(cached(tower, model.preprocess(side), chunk_tokens=120) for side in pair))
+        return mnrl(*(cached(tower, preprocess(model, side), chunk_tokens=120) for side in pair))
 
     assert deviation(stepped(model, loss), expected) <= 1e-6
     assert all(rows * length <= 120 or rows == 1 for rows, length in sizes)
     assert max(rows for rows, _ in sizes) > 120 // 42  # short rows share a chunk: not one chunk per longest row
     with pytest.raises(ValueError, match=r"changes shape between chunks.*chunk_tokens cuts each chunk"):
-        cached(model, model.preprocess(pair[0]), chunk_tokens=120)  # its outputs hold per-token states
+        cached(model, preprocess(model, pair[0]), chunk_tokens=120)  # its outputs hold per-token states
 
 
 # ------------------------------------------------------------------ in a LightningModule, as its users write it
@@ -185,7 +203,7 @@ def pair_loader(model: st.SentenceTransformer) -> DataLoader:
     """Loader batches of ROWS pairs, tokenized by the model as a collate function."""
 
     def collate(rows: list[tuple[str, str]]) -> tuple[dict[str, Any], dict[str, Any]]:
-        return model.preprocess([q for q, _ in rows]), model.preprocess([d for _, d in rows])
+        return preprocess(model, [q for q, _ in rows]), preprocess(model, [d for _, d in rows])
 
     return DataLoader(Pairs(texts(6, 3 * ROWS), texts(7, 3 * ROWS)), batch_size=ROWS, collate_fn=collate)
 

@@ -23,7 +23,18 @@ from torch.utils.data import DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from two_ranks import LR, NUM_SAMPLES, make_data, make_net  # noqa: E402
 
-from tests.helpers import exact_noise_scale, launch_environment, launched_ahead, make_tokens, token_loss  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    BACKENDS,
+    FSDP2,
+    NO_FSDP2,
+    backends,
+    exact_noise_scale,
+    launch_environment,
+    launched_ahead,
+    make_tokens,
+    rank_records,
+    token_loss,
+)
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 MICRO_BATCH = 4  # per rank
@@ -112,13 +123,12 @@ def _launch(script: str, *args: str, out: Path, limit: int = 600, env: dict[str,
     return output
 
 
-def _records(out: Path, name: str) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+_records = rank_records
 
 
 def _two_ranks(out: Path) -> Path:
     """Every configuration under DDP, then under FSDP2, in one launch (a process costs seconds of imports)."""
-    _launch("two_ranks.py", "ddp,fsdp2", out=out)
+    _launch("two_ranks.py", ",".join(BACKENDS), out=out)
     return out
 
 
@@ -132,6 +142,8 @@ def ddp(two_ranks):
 
 @pytest.fixture(scope="module")
 def fsdp2(two_ranks):
+    if not FSDP2:
+        pytest.skip(NO_FSDP2)
     return two_ranks / "fsdp2"
 
 
@@ -140,7 +152,7 @@ def test_ddp_fits_print_no_warning_about_lightnings_deprecated_all_gather(two_ra
     assert "torch.distributed.nn.functional.all_gather" not in output
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_a_step_on_unreduced_gradients_raises_before_the_weights_change(backend, request):
     for record in _records(request.getfixturevalue(backend), "misuse_last_step"):
         assert "reduction across ranks has not run" in record["raised"]
@@ -149,7 +161,7 @@ def test_a_step_on_unreduced_gradients_raises_before_the_weights_change(backend,
     assert _records(request.getfixturevalue(backend), "misuse_last_step")[0]["weights"] == untouched
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_the_noise_scale_under_ddp_and_fsdp2_converges_to_the_exact_value(backend, request):
     exact = exact_noise_scale(make_net(), *make_data(1024))  # the two-rank script's net and data
     rank0, _ = _records(request.getfixturevalue(backend), "noise_frozen_k4")
@@ -210,7 +222,7 @@ def reference_noise_sums(windows: list[int], normalize_by: str, num_samples: int
         ("noise_sums_token", "token", 64),
     ],
 )
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_every_measured_windows_two_sums_are_plain_pytorchs_over_both_ranks(
     backend, name, normalize_by, num_samples, request
 ):
@@ -233,7 +245,7 @@ def test_every_gradient_a_callback_keeps_under_ddp_still_holds_its_steps_values(
         assert record["kept_gradients_overwritten"] == 0
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_adaptive_growth_is_decided_once_for_every_rank(backend, request):
     ddp = request.getfixturevalue(backend)
     rank0, rank1 = _records(ddp, "adaptive_k2")
@@ -311,7 +323,7 @@ def test_fsdp2_reduce_scatters_every_micro_step_with_every(fsdp2, name):
         assert record["reduce_scatters"] == UNITS * record["micro_steps"]
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 @pytest.mark.parametrize(("manual_name", "automatic_name"), [("manual_k3", "last_k3"), ("manual_cut", "last_cut")])
 def test_manual_accumulation_equals_automatic(backend, manual_name, automatic_name, request):
     out = request.getfixturevalue(backend)
@@ -355,7 +367,7 @@ def test_fsdp1_sync_control_on_the_real_fsdp_class(fsdp1_sync):
 # ------------------------------------------------------------------ ranks that disagree on purpose
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 @pytest.mark.parametrize(
     ("name", "message"),
     [
@@ -371,7 +383,7 @@ def test_ranks_that_disagree_on_their_data_raise_on_every_rank_before_training(b
     assert records[0]["weights"] == records[1]["weights"] == _untouched()
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_a_bad_count_on_one_rank_raises_on_every_rank_before_the_step(backend, request):
     rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_bad_count")
     assert "returned nan for batch 1" in rank1["raised"]
@@ -381,7 +393,7 @@ def test_a_bad_count_on_one_rank_raises_on_every_rank_before_the_step(backend, r
         assert record["weights"] == _untouched()
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_a_given_micro_batch_size_counts_the_same_samples_on_ranks_with_different_loaders(backend, request):
     rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_micro_batch_given")
     # 8 samples a micro-step by the given size: 4 steps at factor 1, then factor 2 (2 steps left in epoch 0, 4 in 1)
@@ -389,7 +401,7 @@ def test_a_given_micro_batch_size_counts_the_same_samples_on_ranks_with_differen
     assert rank0["weights"] == rank1["weights"]
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_a_rank_without_tokens_in_a_window_trains_as_one_big_batch(backend, request):
     """Rank 1's first window bears no loss at all: the step is the mean over rank 0's tokens, on both ranks."""
     rank0, rank1 = _records(request.getfixturevalue(backend), "disagree_tokens")
@@ -428,7 +440,7 @@ def test_ddp_spawn_pickles_the_callback_with_every_option_and_manual_accumulatio
         assert rank0["weights"] == rank1["weights"]
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_a_token_keyed_schedule_counts_the_tokens_of_both_ranks(backend, request):
     """{0: 1, 30: 3, 200: 2} by loss-bearing tokens, both ranks together: the windows of the plain-PyTorch loop."""
     rank0, rank1 = _records(request.getfixturevalue(backend), "token_unit")
@@ -474,7 +486,7 @@ def _deviation(record: dict, reference: dict[str, torch.Tensor]) -> float:
     return max((torch.tensor(record["weights"][k]) - v.flatten()).abs().max().item() for k, v in reference.items())
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_splitting_loader_batches_on_two_ranks_equals_the_whole_batches(backend, request):
     rank0, rank1 = _records(request.getfixturevalue(backend), "split_m5")
     assert rank0["optimizer_steps"] == 2

@@ -9,7 +9,6 @@ summed over their supervised tokens and divided by their number.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fabric_common import TinyLM, make_pairs, micro_batches, reference_snapshots  # noqa: E402
 
-from tests.helpers import launch_ranks, launched_ahead  # noqa: E402
+from tests.helpers import FSDP2, NO_FSDP2, backends, launch_ranks, launched_ahead, rank_records  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fabric_ranks.py"
 WINDOWS = [(0, 3), (3, 6), (6, 8)]  # factor 3 over 8 micro-batches: the last window holds the 2 left
@@ -33,8 +32,7 @@ def _launch(out: Path) -> Path:
 launched = launched_ahead("launched", _launch)
 
 
-def records(out: Path, name: str) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+records = rank_records
 
 
 def reference(windows: list[tuple[int, int]] = WINDOWS) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -52,7 +50,7 @@ def distance(weights: dict[str, list[float]], windows: list[tuple[int, int]] = W
     return float((gap / moved).sqrt())
 
 
-@pytest.mark.parametrize("name", ["ddp_token_k3", "ddp_every_k3", "fsdp2_token_k3"])
+@pytest.mark.parametrize("name", backends("ddp_token_k3", "ddp_every_k3", "fsdp2_token_k3"))
 def test_two_ranks_with_different_token_counts_equal_the_big_batch(launched, name):
     rank0, rank1 = records(launched, name)
     assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == len(WINDOWS)
@@ -60,6 +58,7 @@ def test_two_ranks_with_different_token_counts_equal_the_big_batch(launched, nam
     assert distance(rank0["weights"]) <= 1e-5
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)
 def test_fsdp2_past_the_windows_whose_counts_are_read_on_the_host_still_equals_the_big_batch(launched):
     """Factor 1, 8 windows: from the fourth on, item weighting keeps the window's count and scale on the device."""
     rank0, rank1 = records(launched, "fsdp2_token_k1")
@@ -77,6 +76,7 @@ def test_ddp_all_reduces_the_gradient_once_per_window_and_the_count_once(launche
         assert record["buckets"] == 8
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)
 def test_fsdp2_reduce_scatters_once_per_unit_per_window_and_gives_every_unit_its_sync_back(launched):
     for record in records(launched, "fsdp2_token_k3"):
         assert record["collectives"]["c10d::_reduce_scatter_base_"] == UNITS * len(WINDOWS)
@@ -85,6 +85,7 @@ def test_fsdp2_reduce_scatters_once_per_unit_per_window_and_gives_every_unit_its
         assert record["sync_after"] == [[True, True]] * UNITS
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)
 def test_litgpts_loop_on_fabrics_no_backward_sync_leaves_fsdp2s_sync_off(launched):
     """The contrast: ending on a step, `fabric.no_backward_sync(model, enabled=False)` turns every unit's sync off on
     exit, so a backward outside the context (an evaluation's, the next phase's) would never reduce."""
@@ -93,7 +94,7 @@ def test_litgpts_loop_on_fabrics_no_backward_sync_leaves_fsdp2s_sync_off(launche
         assert record["sync_after"] == [[False, False]] * UNITS
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_litgpts_no_backward_sync_test_ported_gives_the_windows_mean(launched, backend):
     """litgpt's tests/test_distributed.py::test_no_backward_sync expects 9.0 and 22.5 (sums over micro-steps); the
     Accumulator's window gradient is the mean over micro-steps and ranks."""
@@ -108,6 +109,7 @@ def test_loaders_of_different_lengths_raise_on_every_rank_before_any_step(launch
         assert record["buckets"] == 0
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)  # launched under FSDP2
 def test_unsized_loaders_that_run_out_apart_raise_on_every_rank_at_that_window(launched):
     rank0, rank1 = records(launched, "disagree_unsized")
     for record in (rank0, rank1):
@@ -132,6 +134,7 @@ def _bf16_first_window_ulps(record: dict) -> float:
     )
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)
 def test_fsdp2_under_bf16_true_weighs_each_micro_batch_in_float32_and_rounds_once(launched):
     """grad_accum_dtype="float32" under FSDP2 at factor 3 with token weighting: each micro-batch's unscaled gradient
     weighed in float32 as FSDP2 accumulates it, the window's token scale applied to the reduced float32 shards; within

@@ -7,7 +7,6 @@ still hold the same estimate and open the same windows. The reference is plain P
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -17,15 +16,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fabric_common import LR, TinyLM, make_pairs, mean_loss, micro_batches  # noqa: E402
 
-from tests.helpers import launch_ranks, launched_ahead  # noqa: E402
+from tests.helpers import FSDP2, NO_FSDP2, backends, launch_ranks, launched_ahead, rank_records  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fabric_noise_ranks.py"
 
 launched = launched_ahead("launched", lambda out: launch_ranks(SCRIPT, out))
 
 
-def records(out: Path, name: str) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+records = rank_records
 
 
 def reference_sums(factor: int = 2) -> list[tuple[float, float]]:
@@ -53,7 +51,7 @@ def reference_sums(factor: int = 2) -> list[tuple[float, float]]:
     return sums
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_every_measured_windows_two_sums_are_plain_pytorchs_over_both_ranks(launched, backend):
     """Under FSDP2 each micro-batch gradient is squared on the unsharded parameters and the step's on the two
     shards; the first window is measured too (its unsharded parameters exist from its first forward)."""
@@ -66,7 +64,7 @@ def test_every_measured_windows_two_sums_are_plain_pytorchs_over_both_ranks(laun
         assert big == pytest.approx(expected[int(step) - 1][1], rel=1e-5), step
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("backend", backends("ddp", "fsdp2"))
 def test_adaptive_growth_from_factor_1_is_decided_once_for_every_rank(launched, backend):
     rank0, rank1 = records(launched, f"{backend}_adaptive_k1")
     assert rank0["factors"][0] == 1
@@ -79,6 +77,7 @@ def test_adaptive_growth_from_factor_1_is_decided_once_for_every_rank(launched, 
     assert disagree0["weights"] == disagree1["weights"] == rank0["weights"]
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)
 def test_fsdp2_measures_and_decides_as_ddp_does(launched):
     ddp, fsdp2 = records(launched, "ddp_adaptive_k1")[0], records(launched, "fsdp2_adaptive_k1")[0]
     assert fsdp2["factors"] == ddp["factors"]

@@ -21,6 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import FSDP2, NO_FSDP2
+
+if not FSDP2:  # every test here trains under FSDP2
+    pytest.skip(NO_FSDP2, allow_module_level=True)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "scripts"))
 from fsdp2_checkpoints import EPOCHS, KINDS  # noqa: E402
 

@@ -27,6 +27,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import FSDP2, NO_FSDP2
+
+if not FSDP2:  # every test here trains under FSDP2
+    pytest.skip(NO_FSDP2, allow_module_level=True)
 import torch
 from torch import nn
 from torch.utils.data import DistributedSampler

@@ -18,7 +18,16 @@ from lightning_accum.features import NoiseScale
 from lightning_accum.noise import NoiseScaleEstimator
 from lightning_accum.window import Window
 from tests import helpers
-from tests.helpers import DictDataset, RegressionModule, make_data, make_net, make_tokens, token_loss, trainer
+from tests.helpers import (
+    DictDataset,
+    RegressionModule,
+    make_data,
+    make_net,
+    make_tokens,
+    mse,
+    token_loss,
+    trainer,
+)
 from tests.test_features import _noise_scale_reference
 
 
@@ -652,7 +661,7 @@ def _rows(batch: Any) -> int:
 
 def _mse_sum(net: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:
     x, y = batch
-    return nn.functional.mse_loss(net(x), y, reduction="sum"), len(x)
+    return mse(net(x), y, reduction="sum"), len(x)
 
 
 def _token_sum(net: nn.Module, batch: Any) -> tuple[torch.Tensor, int]:

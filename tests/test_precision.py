@@ -9,7 +9,6 @@ rounding per micro-step; the test measures that error too.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import subprocess
 import sys
@@ -23,7 +22,15 @@ from torch import nn
 
 from lightning_accum import AccumulationScheduler
 from lightning_accum.precision import WideAccumulator, check_grad_accum_dtype, narrower
-from tests.helpers import DictDataset, launch_environment, launched_ahead, trainer
+from tests.helpers import (
+    BACKENDS,
+    DictDataset,
+    launch_environment,
+    launched_ahead,
+    mse,
+    rank_records,
+    trainer,
+)
 
 FEATURES, FACTOR, MICRO_BATCH = 64, 32, 4
 
@@ -47,7 +54,7 @@ def make_data(samples: int = FACTOR * MICRO_BATCH) -> tuple[torch.Tensor, torch.
 
 def loss(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """MSE in the prediction's dtype (FSDP2 with a bfloat16 ``param_dtype`` predicts in bfloat16 from float32 data)."""
-    return nn.functional.mse_loss(prediction, target.to(prediction.dtype))
+    return mse(prediction, target.to(prediction.dtype))
 
 
 def make_net() -> nn.Module:
@@ -238,7 +245,7 @@ SCRIPT = Path(__file__).resolve().parent / "scripts" / "precision_ranks.py"
 def _two_ranks(out: Path) -> Path:
     """Every configuration under DDP, then under FSDP2, in one launch (a process costs seconds of imports)."""
     done = subprocess.run(
-        ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), "ddp,fsdp2", str(out)],
+        ["timeout", "-s", "KILL", "300", sys.executable, str(SCRIPT), ",".join(BACKENDS), str(out)],
         capture_output=True,
         text=True,
         check=False,
@@ -259,8 +266,7 @@ def _ulps(record: dict) -> float:
     )
 
 
-def _records(out: Path, name: str) -> list[dict]:
-    return [json.loads((out / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+_records = rank_records
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,10 @@ from lightning_accum._lightning import (
 from lightning_accum._versions import release
 from lightning_accum.fabric import Accumulator
 from tests.helpers import (
+    BACKENDS,
+    FSDP2,
     LR,
+    NO_FSDP2,
     RegressionModule,
     launch_environment,
     launched_ahead,
@@ -229,7 +232,7 @@ STANDALONE = {"LIGHTNING_NAMESPACE": "pytorch_lightning", "LIGHTNING_ACCUM_CALLB
 
 def _two_ranks(out: Path) -> Path:
     env = STANDALONE
-    _launch("two_ranks.py", "ddp,fsdp2", "stock_k4", "last_k3", "manual_k3", out=out, env=env)
+    _launch("two_ranks.py", ",".join(BACKENDS), "stock_k4", "last_k3", "manual_k3", out=out, env=env)
     return out
 
 
@@ -252,6 +255,7 @@ def test_two_ranks_under_pytorch_lightnings_ddp_reduce_once_per_step_and_equal_t
     assert max_deviation(rank0, WINDOWS[name], name) <= 1e-6
 
 
+@pytest.mark.skipif(not FSDP2, reason=NO_FSDP2)
 def test_two_ranks_under_pytorch_lightnings_model_parallel_reduce_scatter_once_per_step(standalone_ranks):
     out = standalone_ranks / "fsdp2"
     stock = _records(out, "stock_k4")[0]
@@ -494,7 +498,7 @@ RANGE = ">=2.5.1,<2.7.0"  # pyproject.toml's, as the messages write it
     [
         ("lightning", "2.5.0", f"supports lightning {RANGE}, but lightning 2.5.0 is installed"),
         ("lightning", "2.7.0", f"supports lightning {RANGE}, but lightning 2.7.0 is installed"),
-        ("torch", "2.12.1+cu126", "supports torch>=2.13.0, but torch 2.12.1+cu126 is installed"),
+        ("torch", "2.3.1+cu121", "supports torch>=2.4.0, but torch 2.3.1+cu121 is installed"),
     ],
 )
 def test_import_refuses_an_unsupported_lightning_or_torch_naming_both_versions(distribution, version, message):

@@ -1,4 +1,5 @@
-"""The torch-private names lightning_accum relies on (torch 2.13).
+"""The torch-private names lightning_accum relies on, on the installed torch: CI runs this module on torch 2.9.1 (the
+FSDP2 floor), 2.13.0 and 2.14.1, and on torch 2.4.1, where FSDP2 is refused, the tests that need no FSDP2 unit.
 
 The FSDP2 state that lightning_accum/sync.py reads and clears: if these fail after a torch upgrade,
 ``fsdp2_pending_gradients`` and ``drop_fsdp2_pending_gradients`` must be revisited (an abandoned window's gradients
@@ -18,19 +19,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
+from lightning_accum._torch import fully_shard
 from lightning_accum.sync import (
     FORWARD_END,
     FSDP2CollectiveGuard,
     drop_fsdp2_pending_gradients,
     fsdp2_pending_gradients,
+    param_groups_of,
     skip_gradient_sync,
 )
+from tests.helpers import FSDP2, NO_FSDP2
 
 
 @pytest.fixture
 def one_rank_mesh(monkeypatch):
+    """A device mesh over one gloo rank, for FSDP2 on this process (skipped where lightning_accum refuses FSDP2)."""
+    if not FSDP2:
+        pytest.skip(NO_FSDP2)
     # a free port, and only for this test: a MASTER_PORT left in os.environ would be inherited by the two-process
     # launches of later tests, whose rank 0 then cannot listen on it (EADDRINUSE) or waits for a store never started
     with socket.socket() as probe:
@@ -96,7 +102,7 @@ def test_the_comms_the_guard_wraps_are_fsdp2s_and_are_called_with_its_keywords(o
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     net = _sharded(one_rank_mesh)
-    groups = [g for m in net.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for m in net.modules() if hasattr(m, "_get_fsdp_state") for g in param_groups_of(m._get_fsdp_state())]
     assert len(groups) == 2
     defaults = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
     assert {(type(a).__name__, type(r).__name__) for a, r in defaults} == {("DefaultAllGather", "DefaultReduceScatter")}
@@ -203,7 +209,7 @@ def test_fsdp2_weights_make_the_window_the_float32_weighted_sum_rounded_once(one
     net = _sharded(one_rank_mesh, torch.bfloat16)
     restore = widen_reduce_dtype(net, torch.float32)
     wide = FSDP2Weights(net, torch.float32)
-    groups = [unit._get_fsdp_state()._fsdp_param_groups[0] for unit in (net[0], net[2])]
+    groups = [param_groups_of(unit._get_fsdp_state())[0] for unit in (net[0], net[2])]
     for _ in range(2):  # the hooks registered in the first window still fire in the second
         net.zero_grad(set_to_none=True)
         grads = window(net, wide)

@@ -26,6 +26,7 @@ import lightning.pytorch as pl  # noqa: E402
 from harness import Report, arguments, device, max_deviation, quiet, trainer, weights  # noqa: E402
 
 from lightning_accum import AccumulationScheduler, FSDPAccumulationStrategy, ModelParallelAccumulationStrategy  # noqa: E402
+from lightning_accum._torch import has_fsdp2_mechanics  # noqa: E402
 
 FACTOR, MICRO_BATCH, BATCHES, EPOCHS, LR, EXACT = 3, 8, 8, 2, 0.1, 1e-6
 
@@ -50,7 +51,7 @@ class Regression(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.fsdp2:
-            from torch.distributed.fsdp import fully_shard
+            from lightning_accum._torch import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
             for layer in self.net:
@@ -115,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             label = "FSDPAccumulationStrategy" if name == "FSDP1" else "ModelParallelAccumulationStrategy"
             if name == "FSDP1" and not torch.cuda.is_available():
                 report.row("runs", [label, sync, "-", "-", "skipped: FSDP1 needs CUDA"], strategy=name, sync=sync)
+                continue
+            if name == "FSDP2" and not has_fsdp2_mechanics():
+                refused = f"skipped: refused on torch {torch.__version__} (docs/compatibility.md)"
+                report.row("runs", [label, sync, "-", "-", refused], strategy=name, sync=sync)
                 continue
             module = Regression(fsdp2=name == "FSDP2")
             run = trainer(

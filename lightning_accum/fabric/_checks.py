@@ -13,10 +13,13 @@ from typing import Any
 
 import torch
 from lightning.fabric import Fabric
+from torch import nn
 
 from lightning_accum._lightning import fabric_names
+from lightning_accum._torch import require_fsdp2
 from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.schedule import check_bool
+from lightning_accum.sync import fsdp2_modules
 from lightning_accum.window import Window
 
 # optimizers an open Accumulator steps -> the ids of their parameters
@@ -38,15 +41,28 @@ def check_shift_labels(shift_labels: object, count_items: Any, normalize_by: str
         )
 
 
+def check_fsdp2(module: nn.Module) -> None:
+    """Refuse a model with ``fully_shard`` units on a torch older than the FSDP2 mechanics' floor."""
+    if fsdp2_modules(module):
+        require_fsdp2(
+            "the Accumulator on a model with `fully_shard` (FSDP2) units",
+            "train the model with DDPStrategy or FSDPStrategy (FSDP1) instead",
+        )
+
+
 def check_optimizer(fabric: Fabric, model: Any, optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that another open Accumulator steps, or that misses trainable parameters of the model.
 
+    And a model with ``fully_shard`` units on a torch below the FSDP2 floor (:func:`check_fsdp2`).
+
     Raises:
+        RuntimeError: From :func:`check_fsdp2`.
         ValueError: If another Accumulator holds ``optimizer`` (each would scale its learning rate) or parameters of
             it (each would weigh and step their gradients), or it does not hold every trainable parameter (their
             gradients would miss the window's weighting; under DeepSpeed ZeRO's optimizer holds partitions of them
             all).
     """
+    check_fsdp2(getattr(model, "module", model))
     if optimizer in _IN_USE:
         raise ValueError(
             "`optimizer` already has an Accumulator: two would each scale its learning rate and its gradients."

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_accum._lightning import trainer_names
+from lightning_accum._torch import require_fsdp2
 from lightning_accum.sync import (
     CheckCollectives,
     FSDP2CollectiveGuard,
@@ -218,6 +219,12 @@ class AccumulationStrategyMixin:
         super().setup(trainer)  # type: ignore[misc]
         strategy: Any = self
         self._remove_guard()
+        if fsdp2_modules(strategy.model):  # before any forward: FSDP2 on a torch whose FSDP2 state is not known
+            require_fsdp2(
+                f"{type(self).__name__} with `fully_shard` (FSDP2) units",
+                f"train the model with {trainer_names(trainer).home}.DDPAccumulationStrategy or"
+                " FSDPAccumulationStrategy (FSDP1) instead",
+            )
         if self._checked_windows != 0 and trainer.world_size > 1 and fsdp2_modules(strategy.model):
             self._guard = FSDP2CollectiveGuard(strategy.model)
             self._guard_windows_left = self._checked_windows

@@ -24,6 +24,7 @@ from fabric_ranks import full_weights, rank_data, strategy  # noqa: E402
 from lightning.fabric import Fabric  # noqa: E402
 
 from lightning_accum.fabric import Accumulator  # noqa: E402
+from tests.helpers import BACKENDS  # noqa: E402
 
 TOKENS = {"normalize_by": "token", "shift_labels": True}
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -76,7 +77,7 @@ def run(out: Path, backend: str, name: str, epochs: int, rank1_target: float | N
 def main() -> None:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    for backend in ("ddp", "fsdp2"):
+    for backend in BACKENDS:  # FSDP2 where lightning_accum runs it on this torch
         for name, options in CONFIGS.items():
             run(out, backend, name, **options)
     leave()

@@ -36,8 +36,9 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
+
+from lightning_accum._torch import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -48,7 +48,12 @@ NUM_SAMPLES = WORLD_SIZE * WINDOWS * FACTOR * MICRO_BATCH  # 96: one epoch is ex
 SYNCS: tuple[GradientSync, ...] = ("last", "every", "reduce_scatter")
 # what FSDP2 (torch 2.13, _fsdp_collectives.py) calls: DefaultReduceScatter -> dist.reduce_scatter_single, the HSDP
 # all-reduce -> dist.all_reduce, DefaultAllGather -> dist.all_gather_single (looked up on torch.distributed per call)
-COUNTED = {"reduce_scatter": "reduce_scatter_single", "all_reduce": "all_reduce", "all_gather": "all_gather_single"}
+# (torch 2.12 and older: dist.reduce_scatter_tensor and dist.all_gather_into_tensor, the same collectives)
+COUNTED = {
+    "reduce_scatter": "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor",
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor",
+}
 PROFILER_EVENTS = {
     "reduce_scatter": "c10d::_reduce_scatter_base_",
     "all_reduce": "c10d::allreduce_",
@@ -84,7 +89,7 @@ class Regression(pl.LightningModule):
         self.net = make_net()
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from lightning_accum._torch import fully_shard
 
         mesh = hsdp_mesh()
         for layer in self.net:
@@ -170,13 +175,14 @@ class CountCollectives(pl.Callback):
 def fsdp2_units(module: nn.Module) -> int:
     """The FSDP2 parameter groups under ``module``: one per ``fully_shard`` module that manages parameters of its own
     (each reduce-scatters, and on HSDP all-reduces, its gradients in one collective)."""
-    from torch.distributed.fsdp import FSDPModule
+    from lightning_accum._torch import fsdp_module_type
+    from lightning_accum.sync import param_groups_of
 
     units = 0
     for sub in module.modules():
-        if isinstance(sub, FSDPModule):
+        if isinstance(sub, fsdp_module_type()):
             state = sub._get_fsdp_state()
-            units += len(state._fsdp_param_groups)  # torch 2.13 (as lightning_accum/sync.py reads it)
+            units += len(param_groups_of(state))  # as lightning_accum/sync.py reads them, on any torch
     return units
 
 

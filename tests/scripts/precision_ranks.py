@@ -43,9 +43,9 @@ class Module(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard is not None:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from lightning_accum._torch import fully_shard, mixed_precision_policy
 
-            policy = MixedPrecisionPolicy(**self.shard)
+            policy = mixed_precision_policy(**self.shard)
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

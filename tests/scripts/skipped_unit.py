@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy  # noqa: E402
+from lightning_accum._torch import fsdp2_reduces_unused_params  # noqa: E402
 
 MICRO_BATCH, MICRO_STEPS, FACTOR, LR = 4, 6, 3, 0.1  # windows: micro-steps 0-2 and 3-5
 SAMPLES_PER_RANK = MICRO_BATCH * MICRO_STEPS
@@ -97,12 +98,12 @@ class Model(pl.LightningModule):
         self.fix = fix
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from lightning_accum._torch import fsdp_module_type, fully_shard, mixed_precision_policy
 
-        if isinstance(self.net, FSDPModule):  # a second fit (the resume) of the same model
+        if isinstance(self.net, fsdp_module_type()):  # a second fit (the resume) of the same model
             return
         mesh = self.device_mesh["data_parallel"]
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
+        policy = mixed_precision_policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.bf16 else None
         options: dict[str, Any] = {"mesh": mesh} if policy is None else {"mesh": mesh, "mp_policy": policy}
         units = [self.net.inp, self.net.cond, self.net.mid, self.net.out, self.net]
         if self.fix == "unused_params":  # the other documented fix: `cond` belongs to the root unit, run by all
@@ -199,6 +200,8 @@ def run(
 
 
 SYNCS = ("last", "every", "reduce_scatter")
+# the fixes the guard's error names: the second (`set_reduce_scatter_unused_params`) from torch 2.13 on
+FIXES = ("zero_weight", "unused_params") if fsdp2_reduces_unused_params() else ("zero_weight",)
 CONFIGS: dict[str, dict[str, Any]] = {}
 for sync in SYNCS:
     for precision in ("fp32", "bf16"):
@@ -221,7 +224,7 @@ for sync in SYNCS:
         "skips": {0: (WINDOW_LAST, WINDOW_MIDDLE), 1: (WINDOW_LAST, WINDOW_MIDDLE)},
     }
     # rank 1 alone skips, with either fix that the error names
-    for fix in ("zero_weight", "unused_params"):
+    for fix in FIXES:
         CONFIGS[f"{sync}_fp32_{fix}"] = {"gradient_sync": sync, "skips": {1: (WINDOW_LAST, WINDOW_MIDDLE)}, "fix": fix}
 # rank 1 runs `cond`'s forward but leaves its output out of the loss: the reduce-scatters differ (raises), except
 # under "last" on a micro-step that does not end its window, which reduces nothing
