@@ -16,7 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_accum._lightning import TRAINER_PACKAGES, trainer_names
 from lightning_accum._position import count_steps
-from lightning_accum._torch import require_fsdp2
+from lightning_accum._torch import has_fsdp2_mechanics, require_fsdp2
 from lightning_accum.adaptive import check_needs_noise_scale
 from lightning_accum.events import takes_dataloader_iter
 from lightning_accum.schedule import Schedule, ScheduleSpec
@@ -68,8 +68,10 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
                 f"Only one accumulation callback may be attached: found {type(other).__name__} beside this"
                 " AccumulationScheduler"
             )
-    if isinstance(trainer.strategy, names.ModelParallelStrategy) and not isinstance(
-        trainer.strategy, AccumulationStrategyMixin
+    if (  # below the FSDP2 floor check_fsdp2 refuses the FSDP2 model instead
+        isinstance(trainer.strategy, names.ModelParallelStrategy)
+        and not isinstance(trainer.strategy, AccumulationStrategyMixin)
+        and has_fsdp2_mechanics()
     ):
         rank_zero_warn(
             "AccumulationScheduler: ModelParallelStrategy reduce-scatters FSDP2 gradients on every micro-step;"
@@ -78,7 +80,7 @@ def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, callback: 
 
 
 def check_fsdp2(trainer: pl.Trainer) -> None:
-    """Refuse a model with ``fully_shard`` units on a torch older than the FSDP2 mechanics' floor (at fit start).
+    """Refuse a model with ``fully_shard`` units on a torch older than the FSDP2 mechanics' floor (``on_fit_start``).
 
     The window's FSDP2 gradients are read and reduced through FSDP2 state that is tested exact only from
     ``lightning_accum._torch.FSDP2_FLOOR`` on.
@@ -86,8 +88,9 @@ def check_fsdp2(trainer: pl.Trainer) -> None:
     if fsdp2_modules(trainer.strategy.model):
         require_fsdp2(
             "AccumulationScheduler on a model with `fully_shard` (FSDP2) units",
-            f"train it with {trainer_names(trainer).home}.DDPAccumulationStrategy or FSDPAccumulationStrategy"
-            " (FSDP1) instead",
+            "remove the callback and give stock ModelParallelStrategy `Trainer(accumulate_grad_batches=k)` (FSDP2"
+            f" then reduce-scatters on every micro-step), or train the model with {trainer_names(trainer).home}."
+            "DDPAccumulationStrategy or FSDPAccumulationStrategy (FSDP1)",
         )
 
 

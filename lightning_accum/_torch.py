@@ -37,6 +37,7 @@ from lightning_accum._versions import release
 FSDP2_FLOOR = (2, 9, 0)
 
 
+@functools.cache
 def torch_release() -> tuple[int, int, int]:
     """The installed torch's numeric release (``(2, 4, 1)`` for ``"2.4.1+cu121"``)."""
     return release(torch.__version__)
@@ -126,11 +127,11 @@ def mixed_precision_policy(**kwargs: Any) -> Any:
 
 
 def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
-    """``torch.utils._pytree.tree_flatten_with_path``, or where a node cannot name its children, leaves by position.
+    """``torch.utils._pytree.tree_flatten_with_path``, also where a node cannot name its children.
 
     A node type registered without a ``flatten_with_keys_fn`` (transformers 4's ``ModelOutput`` beside torch 2.4)
-    cannot give key paths: its leaves are then named by their position in the flattened tree (``[3]``), and the
-    tree spec is the same as ``tree_flatten``'s.
+    makes torch's own function raise; here that node's children are named by their position (``[1]``) and every
+    other node keeps its keys (``['attention_mask']``). The tree spec is ``tree_flatten``'s.
     """
     from torch.utils import _pytree as pytree
 
@@ -138,7 +139,26 @@ def tree_flatten_with_path(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
         return pytree.tree_flatten_with_path(tree)
     except ValueError:  # "Did not find a flatten_with_keys_fn for type ..."
         leaves, spec = pytree.tree_flatten(tree)
-        return [((pytree.SequenceKey(index),), leaf) for index, leaf in enumerate(leaves)], spec
+        paths: list[tuple[Any, ...]] = []
+        _key_paths(tree, (), paths)
+        return list(zip(paths, leaves, strict=True)), spec
+
+
+def _key_paths(node: Any, path: tuple[Any, ...], paths: list[tuple[Any, ...]]) -> None:
+    """Append the key path of every leaf under ``node``, in ``tree_flatten``'s order."""
+    from torch.utils import _pytree as pytree
+
+    if pytree._is_leaf(node):
+        paths.append(path)
+        return
+    handler = pytree.SUPPORTED_NODES[pytree._get_node_type(node)]
+    if handler.flatten_with_keys_fn is not None:
+        keyed, _ = handler.flatten_with_keys_fn(node)
+    else:
+        children, _ = handler.flatten_fn(node)
+        keyed = [(pytree.SequenceKey(index), child) for index, child in enumerate(children)]
+    for key, child in keyed:
+        _key_paths(child, (*path, key), paths)
 
 
 @functools.cache

@@ -198,8 +198,11 @@ class AccumulationScheduler(Callback):
             trainer.strategy.drop_unreduced_gradients()  # from a previous fit that ended in the middle of a window
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_fsdp2(trainer)  # after configure_model, before the sanity check's first forward
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        check_fsdp2(trainer)  # before the first window: FSDP2 on a torch whose FSDP2 state is not known is refused
         ctx, batcher = self._ctx, self._batcher
         # the one place the micro-batch size is decided, the same on every rank, so every rank builds one schedule
         split = batcher.auto or (batcher.size is not None and batcher.size < (loader_batch_size(trainer) or 0))

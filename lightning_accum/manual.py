@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_accum._lightning import trainer_names
 from lightning_accum._loop import ends_epoch
+from lightning_accum._torch import has_fsdp2_mechanics
 from lightning_accum.schedule import Schedule, check_int
 from lightning_accum.strategies.deepspeed import zero_stage
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
@@ -251,7 +252,10 @@ class ManualAccumulation:
             return
         self._warned = True
         names = trainer_names(strategy)
-        if isinstance(strategy, names.ModelParallelStrategy) and not isinstance(strategy, AccumulationStrategyMixin):
+        stock = isinstance(strategy, names.ModelParallelStrategy) and not isinstance(
+            strategy, AccumulationStrategyMixin
+        )
+        if stock and has_fsdp2_mechanics():  # below the FSDP2 floor the strategy it would name refuses FSDP2
             rank_zero_warn(
                 "ManualAccumulation: ModelParallelStrategy does not skip FSDP2's reduce-scatter on non-final"
                 f" micro-steps; use {names.home}.ModelParallelAccumulationStrategy to reduce once per window"

@@ -39,7 +39,7 @@ from typing import Any, Literal, cast
 
 from torch import nn
 
-from lightning_accum._torch import fsdp2_reduces_unused_params, fsdp_module_type
+from lightning_accum._torch import fsdp2_reduces_unused_params, fsdp_module_type, require_fsdp2
 
 GradientSync = Literal["last", "every", "reduce_scatter"]
 GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every", "reduce_scatter")
@@ -136,6 +136,7 @@ def skip_gradient_sync(module: nn.Module | None, policy: GradientSync = "last") 
         return
     fsdp2 = fsdp2_modules(module)
     if fsdp2:
+        require_fsdp2("skip_gradient_sync on `fully_shard` (FSDP2) units", "reduce on every micro-step")
         previous = [fsdp2_sync_state(sub) for sub in fsdp2]
         try:
             for sub in fsdp2:

@@ -100,12 +100,13 @@ def test_no_feature_reads_the_trainer_or_imports_its_internals():
 
 
 def test_the_core_reads_on_one_screen():
-    """The noise scale in at most 300 lines, the coordinator's class in at most 350 and its module in 450."""
+    """The noise scale in at most 300 lines, the coordinator's class in at most 355 (350 before its FSDP2 check at
+    ``on_fit_start``, issue 53) and its module in 450."""
     callback = MODULES["lightning_accum.callback"]
     (scheduler,) = [
         node for node in ast.parse(callback.read_text()).body if getattr(node, "name", "") == "AccumulationScheduler"
     ]
-    assert scheduler.end_lineno - scheduler.lineno + 1 <= 350
+    assert scheduler.end_lineno - scheduler.lineno + 1 <= 355
     assert len(callback.read_text().splitlines()) <= 450
     assert len(MODULES["lightning_accum.features.noise_scale"].read_text().splitlines()) <= 300
 

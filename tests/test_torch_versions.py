@@ -17,6 +17,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ from torch import nn
 from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy, _torch
 from lightning_accum._versions import TORCH_FLOOR
 from lightning_accum.fabric import Accumulator
-from tests.helpers import RegressionModule, launch_environment, loader, make_data, make_net, trainer
+from lightning_accum.sync import skip_gradient_sync
+from tests.helpers import FSDP2, RegressionModule, launch_environment, loader, make_data, make_net, trainer
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
@@ -82,21 +84,36 @@ class _Pair:  # a node type registered as a library written for an older torch r
         self.first, self.second = first, second
 
 
-def test_a_node_without_key_paths_is_flattened_by_position():
+def test_a_node_without_key_paths_names_its_children_by_position_and_the_others_keep_their_keys():
     from torch.utils import _pytree as pytree
 
     pytree.register_pytree_node(_Pair, lambda p: ([p.first, p.second], None), lambda leaves, _: _Pair(*leaves))
     try:
-        tree = {"out": _Pair(torch.zeros(2), torch.ones(2)), "n": 3}
+        mask = torch.ones(2, 3)
+        tree = {"out": _Pair(torch.zeros(2), torch.ones(2)), "kwargs": {"attention_mask": mask}, "n": 3}
+        with pytest.raises(ValueError, match="flatten_with_keys_fn"):  # torch's own, on this node
+            pytree.tree_flatten_with_path(tree)
         found, spec = _torch.tree_flatten_with_path(tree)
-        assert [pytree.keystr(path) for path, _ in found] == ["[0]", "[1]", "[2]"]
+        keys = [pytree.keystr(path) for path, _ in found]
+        assert sorted(keys) == sorted(["['out'][0]", "['out'][1]", "['kwargs']['attention_mask']", "['n']"])
         assert spec == pytree.tree_flatten(tree)[1]
-        assert [leaf is value for (_, leaf), value in zip(found, pytree.tree_leaves(tree), strict=True)] == [True] * 3
-        plain = {"x": [torch.ones(1)]}  # a tree whose nodes name their children keeps its key paths
-        assert [pytree.keystr(p) for p, _ in _torch.tree_flatten_with_path(plain)[0]] == ["['x'][0]"]
-    finally:  # torch 2.4 has no `_deregister_pytree_node`
-        pytree.SUPPORTED_NODES.pop(_Pair, None)
-        getattr(pytree, "SUPPORTED_SERIALIZED_TYPES", {}).pop(_Pair, None)
+        assert all(a is b for (_, a), b in zip(found, pytree.tree_leaves(tree), strict=True))  # tree_flatten's order
+        assert next(leaf for path, leaf in found if path[-1] == pytree.MappingKey("attention_mask")) is mask
+        plain = {"x": [torch.ones(1)]}  # a tree whose nodes all name their children: torch's own answer
+        assert _torch.tree_flatten_with_path(plain) == pytree.tree_flatten_with_path(plain)
+    finally:
+        if hasattr(pytree, "_deregister_pytree_node"):
+            pytree._deregister_pytree_node(_Pair)
+        else:  # torch 2.4
+            pytree.SUPPORTED_NODES.pop(_Pair, None)
+
+
+def test_the_feature_floors_are_the_tested_releases():
+    # pinned to literal releases, so that a broken version check cannot skip the FSDP2 tests of a newer torch
+    release = _torch.torch_release()
+    assert _torch.has_fsdp2_mechanics() == (release >= (2, 9, 0))
+    assert _torch.fsdp2_reduces_unused_params() == (release >= (2, 13, 0))
+    assert (release >= (2, 9, 0)) == FSDP2
 
 
 def test_every_module_imports_on_the_installed_torch():
@@ -185,23 +202,53 @@ def test_the_trainer_refuses_fsdp2_before_any_step(fsdp2_refused):
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
-def test_the_callback_refuses_fsdp2_under_stock_model_parallel(fsdp2_refused):
+def test_the_callback_refuses_fsdp2_under_stock_model_parallel_before_the_sanity_check(fsdp2_refused):
+    class Validated(Sharded):
+        def validation_step(self, batch, batch_idx):
+            seen.append(batch_idx)  # the sanity check's forward would come here
+
+    seen: list[int] = []
     x, y = make_data(8)
     fit = trainer(
         [AccumulationScheduler({0: 2})],
         max_epochs=1,
-        num_sanity_val_steps=0,
+        num_sanity_val_steps=2,
         strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
     )
-    with (
-        pytest.warns(UserWarning, match="ModelParallelAccumulationStrategy"),
-        pytest.raises(
-            RuntimeError,
-            match=re.escape(f"AccumulationScheduler on a model with `fully_shard` (FSDP2) units needs {fsdp2_refused}"),
-        ),
-    ):
-        fit.fit(Sharded(), loader(x, y, 4))
+    message = (
+        f"AccumulationScheduler on a model with `fully_shard` (FSDP2) units needs {fsdp2_refused} (lightning_accum's"
+        f" FSDP2 mechanics read FSDP2 state that is tested exact from that release on), but torch {torch.__version__}"
+        " is installed: remove the callback and give stock ModelParallelStrategy `Trainer(accumulate_grad_batches=k)`"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no advice to use the strategy this torch refuses
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            fit.fit(Validated(), loader(x, y, 4), loader(x, y, 4))
+    assert seen == []
     assert fit.global_step == 0
+
+
+def test_skip_gradient_sync_refuses_fsdp2_units(fsdp2_refused):
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    net = make_net()
+    _torch.fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+    with (
+        pytest.raises(
+            RuntimeError, match=re.escape(f"skip_gradient_sync on `fully_shard` (FSDP2) units needs {fsdp2_refused}")
+        ),
+        skip_gradient_sync(net, "last"),
+    ):
+        pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def test_the_accumulator_refuses_fsdp2_when_it_is_built(fsdp2_refused):
@@ -214,11 +261,16 @@ def test_the_accumulator_refuses_fsdp2_when_it_is_built(fsdp2_refused):
     fabric.launch()
     model = fabric.setup_module(make_net())
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(
-        RuntimeError,
-        match=re.escape(f"the Accumulator on a model with `fully_shard` (FSDP2) units needs {fsdp2_refused}"),
-    ):
+    with pytest.raises(RuntimeError) as raised:
         Accumulator(fabric, model, optimizer, scheduling={0: 2})
+    assert str(raised.value).startswith(
+        f"the Accumulator on a model with `fully_shard` (FSDP2) units needs {fsdp2_refused}"
+    )
+    assert str(raised.value).endswith(
+        "accumulate without it (each micro-batch's loss divided by the factor, FSDP2 then reduce-scatters on every"
+        " micro-step), or train the model with DDPStrategy or FSDPStrategy (FSDP1), or upgrade torch (pip install"
+        f" '{fsdp2_refused}')"
+    )
 
 
 REFUSED = ("last_k3", "manual_k3", "token_k3", "noise_sums_k3")  # tests/scripts/two_ranks.py, under our strategy

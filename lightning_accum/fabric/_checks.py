@@ -46,7 +46,8 @@ def check_fsdp2(module: nn.Module) -> None:
     if fsdp2_modules(module):
         require_fsdp2(
             "the Accumulator on a model with `fully_shard` (FSDP2) units",
-            "train the model with DDPStrategy or FSDPStrategy (FSDP1) instead",
+            "accumulate without it (each micro-batch's loss divided by the factor, FSDP2 then reduce-scatters on"
+            " every micro-step), or train the model with DDPStrategy or FSDPStrategy (FSDP1)",
         )
 
 
@@ -62,7 +63,7 @@ def check_optimizer(fabric: Fabric, model: Any, optimizer: torch.optim.Optimizer
             gradients would miss the window's weighting; under DeepSpeed ZeRO's optimizer holds partitions of them
             all).
     """
-    check_fsdp2(getattr(model, "module", model))
+    check_fsdp2(getattr(model, "_forward_module", model))  # what the strategy's parallelize_fn returned
     if optimizer in _IN_USE:
         raise ValueError(
             "`optimizer` already has an Accumulator: two would each scale its learning rate and its gradients."

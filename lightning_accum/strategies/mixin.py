@@ -222,8 +222,9 @@ class AccumulationStrategyMixin:
         if fsdp2_modules(strategy.model):  # before any forward: FSDP2 on a torch whose FSDP2 state is not known
             require_fsdp2(
                 f"{type(self).__name__} with `fully_shard` (FSDP2) units",
-                f"train the model with {trainer_names(trainer).home}.DDPAccumulationStrategy or"
-                " FSDPAccumulationStrategy (FSDP1) instead",
+                "use stock ModelParallelStrategy with `Trainer(accumulate_grad_batches=k)` (FSDP2 then"
+                f" reduce-scatters on every micro-step), or train the model with {trainer_names(trainer).home}."
+                "DDPAccumulationStrategy or FSDPAccumulationStrategy (FSDP1)",
             )
         if self._checked_windows != 0 and trainer.world_size > 1 and fsdp2_modules(strategy.model):
             self._guard = FSDP2CollectiveGuard(strategy.model)
