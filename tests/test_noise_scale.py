@@ -730,3 +730,46 @@ def test_the_two_sums_of_every_measured_window_are_plain_pytorchs(case):
         small, big = expected[step - 1]
         assert measurement.small_sq == pytest.approx(small, rel=1e-6), step
         assert measurement.big_sq == pytest.approx(big, rel=1e-6), step
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_at_factor_1_a_measured_batchs_halves_give_plain_pytorchs_two_sums_in_bfloat16_too(precision):
+    """At factor 1 a measured window is its loader batch in two halves. Under bf16-true (which makes the default dtype
+    bfloat16 around the step) the float32 squares were allocated in bfloat16 and the first measured window raised
+    (issue 54, item 1); the sums must be plain PyTorch's, each half's gradient computed alone."""
+    x, y = make_data(64, seed=2)
+    halves = [[[(x[i : i + 4], y[i : i + 4]), (x[i + 4 : i + 8], y[i + 4 : i + 8])]] for i in range(0, 64, 8)]
+    if precision == "bf16-true":
+        halves = [[[tuple(t.bfloat16() for t in part) for part in batch] for batch in window] for window in halves]
+    callback = AccumulationScheduler(  # adaptive growth asks for the halves; its largest factor keeps factor 1
+        {0: 1},
+        noise_scale=True,
+        noise_scale_interval=3,
+        adaptive=True,
+        adaptive_max_factor=1,
+        grad_accum_dtype="float32",
+    )
+    measurements = Measurements()
+    trainer([callback, measurements], max_epochs=1, precision=precision).fit(
+        RegressionModule(), DataLoader(TensorDataset(x, y), batch_size=8)
+    )
+    net = make_net().to(torch.bfloat16) if precision == "bf16-true" else make_net()
+    expected = reference_sums(halves, _mse_sum, "micro_batch", net)
+    # bfloat16: each half's gradient is the run's own bfloat16 computation (its loss weighed by its rows), the
+    # reference's another rounding of it: within one bfloat16 place
+    rel = 2**-8 if precision == "bf16-true" else 1e-6
+    assert sorted(measurements.by_step) == [3, 6]
+    for step, measurement in measurements.by_step.items():
+        small, big = expected[step - 1]
+        assert measurement.small_sq == pytest.approx(small, rel=rel), step
+        assert measurement.big_sq == pytest.approx(big, rel=rel), step
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])  # "16-mixed" is bf16-mixed on a CPU
+def test_adaptive_growth_from_factor_1_runs_in_reduced_precision(precision):
+    x, y = make_data(64, seed=2)
+    callback = AccumulationScheduler({0: 1}, noise_scale=True, adaptive=True, noise_scale_interval=1)
+    fit = trainer([callback], max_epochs=1, precision=precision)
+    fit.fit(RegressionModule(), DataLoader(TensorDataset(x, y), batch_size=8))
+    assert callback.features["noise_scale"].estimate.noise_scale is not None
+    assert fit.global_step >= 1

@@ -169,7 +169,8 @@ class NoiseScale(Feature):
         """At least ``count`` entries, those written kept (room grows by doubling, rarely inside a backward)."""
         if len(self._entries) >= count and self._entries[0].device == device:
             return
-        entries = torch.zeros(max(count, 2 * len(self._entries)), device=device)
+        # float32 whatever the default dtype (bf16-true makes it bfloat16 around the step, where this may run)
+        entries = torch.zeros(max(count, 2 * len(self._entries)), dtype=torch.float32, device=device)
         if self._count:
             entries[: self._count].copy_(torch.stack(self._entries[: self._count]))
         self._entries = list(entries.unbind())
