@@ -219,14 +219,15 @@ class AccumulationStrategyMixin:
         super().setup(trainer)  # type: ignore[misc]
         strategy: Any = self
         self._remove_guard()
-        if fsdp2_modules(strategy.model):  # before any forward: FSDP2 on a torch whose FSDP2 state is not known
+        fsdp2 = bool(fsdp2_modules(strategy.model))
+        if fsdp2:  # before any forward: FSDP2 on a torch whose FSDP2 state is not known
             require_fsdp2(
                 f"{type(self).__name__} with `fully_shard` (FSDP2) units",
                 "use stock ModelParallelStrategy with `Trainer(accumulate_grad_batches=k)` (FSDP2 then"
                 f" reduce-scatters on every micro-step), or train the model with {trainer_names(trainer).home}."
                 "DDPAccumulationStrategy or FSDPAccumulationStrategy (FSDP1)",
             )
-        if self._checked_windows != 0 and trainer.world_size > 1 and fsdp2_modules(strategy.model):
+        if self._checked_windows != 0 and trainer.world_size > 1 and fsdp2:
             self._guard = FSDP2CollectiveGuard(strategy.model)
             self._guard_windows_left = self._checked_windows
         # Lightning wraps the model in DDP only to fit
