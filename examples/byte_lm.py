@@ -30,6 +30,18 @@ def read_corpus(max_bytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
 
 
+def read_file(path: str | Path, max_bytes: int) -> torch.Tensor:
+    """The first ``max_bytes`` bytes of any file (a user's own text), as byte values.
+
+    Raises:
+        ValueError: If the file holds fewer than 20,000 bytes: too few to hold some out and still train.
+    """
+    data = Path(path).read_bytes()[:max_bytes]
+    if len(data) < 20_000:
+        raise ValueError(f"{path}: {len(data)} bytes; give a file of at least 20000 (a part of it is held out)")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
 class ByteWindows(Dataset):
     """Non-overlapping windows of ``context + 1`` bytes: inputs and next-byte targets."""
 
@@ -46,14 +58,15 @@ class ByteWindows(Dataset):
 
 
 class StdlibBytes(pl.LightningDataModule):
-    """Byte windows of the standard library's sources.
+    """Byte windows of the standard library's sources, or of any text or bytes file of yours (``path``).
 
     Args:
         batch_size: Sequences per micro-batch on one device (the accumulation callback reads it from here).
         context: Bytes per sequence.
-        corpus_bytes: How much of the standard library to read.
+        corpus_bytes: How much of the standard library (or of ``path``) to read.
         val_fraction: The share of the corpus, taken from its end, held out for validation.
         shuffle: Shuffle the training windows each epoch.
+        path: Train on this file's bytes instead (``--data.path my.txt``; its last ``val_fraction`` held out).
     """
 
     def __init__(
@@ -63,13 +76,14 @@ class StdlibBytes(pl.LightningDataModule):
         corpus_bytes: int = 4_000_000,
         val_fraction: float = 0.02,
         shuffle: bool = True,
+        path: str | None = None,
     ) -> None:
         super().__init__()
         self.batch_size, self.context, self.corpus_bytes = batch_size, context, corpus_bytes
-        self.val_fraction, self.shuffle = val_fraction, shuffle
+        self.val_fraction, self.shuffle, self.path = val_fraction, shuffle, path
 
     def setup(self, stage: str) -> None:
-        corpus = read_corpus(self.corpus_bytes)
+        corpus = read_corpus(self.corpus_bytes) if self.path is None else read_file(self.path, self.corpus_bytes)
         split = int(len(corpus) * (1 - self.val_fraction))
         self.train_set = ByteWindows(corpus[:split], self.context)
         self.val_set = ByteWindows(corpus[split:], self.context)

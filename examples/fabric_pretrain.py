@@ -7,23 +7,34 @@ ends whatever factors the windows had; every target token weighs the same (``nor
 the repository's byte-level transformer (``examples/byte_lm.py``), trained on the Python standard library's own
 sources (no download; the last tenth held out).
 
-Four batch-size schedules, each from the same weights on the same token budget and the same order of micro-batches:
+Batch-size schedules (``--schedules``), each from the same weights on the same token budget and the same order of
+micro-batches:
 
 - ``small``: factor 1 throughout, the sample-efficient baseline;
 - ``large``: factor ``--max-factor`` throughout;
 - ``ramp``: the global batch ramped by hand from one micro-batch to ``--max-factor`` over the first half of the
   budget (the ``ramp_*`` arguments; Merrill et al.'s batch-size warmup);
+- ``seesaw``: Seesaw (Meterez et al. 2025): the factor doubles wherever the cosine schedule's LR halves (at 50%, 67%
+  and 77% of the budget), up to ``--max-factor``, and the LR rule gives back its share of each halving (the linear
+  rule: all of it; the square-root rule: sqrt(2));
 - ``adaptive``: from factor 1, grown by the gradient noise scale (``noise_scale=True, adaptive=True``, every tenth
-  window measured, at most ``--max-factor``); at factor 1 a measured window's batch is yielded as its two halves.
+  window measured, at most ``--max-factor``), held to the LR schedule's peak over its current LR (the budget's bound);
+  at factor 1 a measured window's batch is yielded as its two halves.
 
-A larger batch gets a larger LR by the square-root rule from one micro-batch's batch (``lr_scaling="sqrt"``, the rule
-for Adam; ``--lr-scaling none``: the same peak LR for every run). For each seed and schedule it prints the optimizer
-steps, the held-out loss (mean cross-entropy per byte) and the wall time; then each schedule's means over the seeds,
-with steps and loss as ratios to ``small``::
+``--data FILE`` trains on any text or bytes file instead (its last tenth held out); ``--beta2-follows-batch`` keeps
+AdamW's ``beta2`` half-life fixed in tokens as the batch grows (``beta2 ** factor``, Marek et al. 2025).
 
-    python examples/fabric_pretrain.py                     # 3 seeds, about 4 minutes on 2 CPU cores
-    python examples/fabric_pretrain.py --lr-scaling none   # one peak LR for every batch
+The peak LR (8e-3) is the small batch's best of 2e-3, 4e-3, 8e-3 and 1.6e-2. A larger batch gets a larger LR by the
+linear rule from one micro-batch's batch (``lr_scaling="linear"``: on this model it beat the square-root rule for
+every schedule that grows, docs/batch-schedules.md; ``--lr-scaling sqrt``, the usual rule for Adam, or ``none``, the
+same peak LR for every run). For each seed and schedule it prints the optimizer steps, the held-out loss (mean
+cross-entropy per byte) and the wall time; then each schedule's means over the seeds, with steps and loss as ratios
+to ``small``::
+
+    python examples/fabric_pretrain.py                     # 3 seeds, about 8 minutes on 2 CPU cores
+    python examples/fabric_pretrain.py --lr-scaling sqrt   # the square-root rule for every batch
     python examples/fabric_pretrain.py --seeds 0 --tokens 200000 --width 32 --layers 1   # a quick look
+    python examples/fabric_pretrain.py --data my.txt --schedules small seesaw adaptive --seeds 7 8 9 --json out.json
 """
 
 from __future__ import annotations
@@ -44,12 +55,12 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from byte_lm import ByteLM, ByteWindows, read_corpus  # noqa: E402
+from byte_lm import ByteLM, ByteWindows, read_corpus, read_file  # noqa: E402
 
 from lightning_accum import SampleDrivenLR  # noqa: E402
 from lightning_accum.fabric import Accumulator  # noqa: E402
 
-SCHEDULES = ("small", "large", "ramp", "adaptive")
+SCHEDULES = ("small", "large", "ramp", "seesaw", "adaptive")
 
 
 class CycleIterator:
@@ -90,6 +101,8 @@ def options(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
             "ramp_increment": batch,
             "ramp_samples": args.tokens // 2,
         }
+    if schedule == "seesaw":  # the factor doubles where the cosine halves the LR (lr_scaling gives back its share)
+        return {"seesaw": True, "seesaw_max_factor": args.max_factor}
     return {
         "noise_scale": True,
         "noise_scale_interval": args.noise_scale_interval,
@@ -120,6 +133,7 @@ def train(schedule: str, seed: int, data: tuple[ByteWindows, ByteWindows], args:
         lr_scheduler=SampleDrivenLR(lr, steps=lr_steps, total=args.tokens, unit="token"),
         lr_scaling=args.lr_scaling,  # from the batch of one micro-batch, the small run's
         base_batch_size=args.micro_batch,
+        beta2_follows_batch=args.beta2_follows_batch,  # AdamW's beta2 half-life kept in tokens as the batch grows
         log_metrics=False,
         **options(schedule, args),
     )
@@ -149,7 +163,7 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each schedule's means over the seeds; steps and loss also as ratios to ``small`` of the same seed."""
     small = {r["seed"]: r for r in results if r["schedule"] == "small"}
     rows = []
-    for schedule in SCHEDULES:
+    for schedule in dict.fromkeys(r["schedule"] for r in results):
         runs = [r for r in results if r["schedule"] == schedule]
         loss_ratios = [r["loss"] / small[r["seed"]]["loss"] for r in runs]
         rows.append(
@@ -170,6 +184,16 @@ def summary(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--schedules",
+        nargs="+",
+        choices=SCHEDULES,
+        default=list(SCHEDULES),
+        help="the batch-size schedules to run, each against small (which always runs)",
+    )
+    parser.add_argument(
+        "--data", type=Path, default=None, help="train on this text or bytes file (last tenth held out)"
+    )
     parser.add_argument("--tokens", type=int, default=1_000_000, help="the token budget of every run")
     parser.add_argument("--corpus-bytes", type=int, default=2_000_000, dest="corpus_bytes")
     parser.add_argument("--context", type=int, default=64, help="bytes per sequence")
@@ -185,13 +209,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         dest="noise_scale_interval",
         help="adaptive: measure every N-th window (10: the default; examples/configs/lm_adaptive.yaml measures 2)",
     )
-    parser.add_argument("--lr", type=float, default=2e-3, help="AdamW's peak learning rate at one micro-batch")
+    parser.add_argument(
+        "--lr", type=float, default=8e-3, help="AdamW's peak learning rate at one micro-batch (the small run's best)"
+    )
     parser.add_argument(
         "--lr-scaling",
-        choices=["none", "sqrt"],
-        default="sqrt",
+        choices=["none", "sqrt", "linear"],
+        default="linear",
         dest="lr_scaling",
-        help="the LR of a larger batch: the same, or times the square root of its size over one micro-batch's",
+        help="the LR of a larger batch: the same, or times its size over one micro-batch's (or its square root)",
+    )
+    parser.add_argument(
+        "--beta2-follows-batch",
+        action="store_true",
+        dest="beta2_follows_batch",
+        help="AdamW's beta2 ** (batch / one micro-batch's) in each update: its half-life kept in tokens",
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
     return parser.parse_args(argv)
@@ -200,15 +232,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    corpus = read_corpus(args.corpus_bytes)
+    corpus = read_corpus(args.corpus_bytes) if args.data is None else read_file(args.data, args.corpus_bytes)
     split = int(len(corpus) * 0.9)
     data = (ByteWindows(corpus[:split], args.context), ByteWindows(corpus[split:], args.context))
     print(f"{args.tokens:,} tokens a run; micro-batches of {args.micro_batch} x {args.context} bytes")
     print("| seed | schedule | optimizer steps | held-out loss | wall time (s) | final factor |")
     print("| ---: | --- | ---: | ---: | ---: | ---: |")
     results = []
+    schedules = ["small", *(schedule for schedule in args.schedules if schedule != "small")]
     for seed in args.seeds:
-        for schedule in SCHEDULES:
+        for schedule in schedules:
             result = {"seed": seed, "schedule": schedule, **train(schedule, seed, data, args)}
             results.append(result)
             print(
@@ -226,7 +259,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             f" {row['loss_ratio']:.4f} +- {row['loss_ratio_se']:.4f} | {row['seconds']:.1f} |"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": results, "rows": rows}))
+        options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        args.json.write_text(json.dumps({"args": options, "runs": results, "rows": rows}))
     return rows
 
 

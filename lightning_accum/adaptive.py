@@ -34,6 +34,11 @@ from dataclasses import dataclass
 from lightning_accum.noise import NoiseScaleEstimate
 from lightning_accum.schedule import check_bool, check_int
 
+FREE_SHARE = 0.1
+"""The largest batch, as a share of the noise scale's lower bound, that growth may reach past the LR schedule's bound
+(:func:`budget_bound`): McCandlish et al.'s examples per unit of progress at batch ``B`` are ``1 + B / B_noise``
+times the fewest, so such a batch spends at most a tenth more of a fixed budget."""
+
 MIN_MEASUREMENTS = 3.0
 """The effective number of measured windows (:attr:`NoiseScaleEstimate.measurements`) a decision needs."""
 
@@ -80,6 +85,23 @@ def check_evidence(decay: float) -> None:
         f" scale, but noise_scale_decay={decay!r} keeps at most {most:.2f}: raise noise_scale_decay to {least:.2f} or"
         " more (0.95, the default, keeps 39)"
     )
+
+
+def budget_bound(lr_bound: int, low: float, batch_per_factor: float) -> int:
+    """The largest factor growth may reach on a fixed budget.
+
+    The LR schedule's bound (``lr_bound``: the first factor times its peak LR over its current LR, where a larger
+    batch stands for the decay the schedule makes anyway), or past it a batch of at most :data:`FREE_SHARE` of the
+    noise scale's lower bound ``low``, which costs at most a tenth more examples whatever the schedule.
+
+    Example::
+
+        >>> budget_bound(lr_bound=1, low=1000.0, batch_per_factor=8.0)  # far below the noise scale: 12 x 8 <= 100
+        12
+        >>> budget_bound(lr_bound=2, low=3000.0, batch_per_factor=512.0)  # an LM's tokens: the schedule's bound
+        2
+    """
+    return max(lr_bound, math.floor(FREE_SHARE * low / batch_per_factor))
 
 
 def ready(fresh: int, measurements: float) -> bool:
@@ -130,6 +152,7 @@ class Decision:
         low: The wanted batch's lower bound (``target x`` the noise scale's), at ``confidence``.
         high: Its upper bound (``math.inf`` while ``|G|^2`` may be 0).
         confidence: The one-sided confidence both bounds were taken at (the spent one).
+        held: The largest factor something besides the evidence allowed (the LR schedule's bound), or ``None``.
     """
 
     factor: int
@@ -137,6 +160,7 @@ class Decision:
     low: float
     high: float
     confidence: float
+    held: int | None = None
 
 
 class AdaptiveFactor:

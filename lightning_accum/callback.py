@@ -36,12 +36,14 @@ from lightning_accum.features import (
     NoiseScale,
     ProgressBar,
     SampleDrivenSchedules,
+    Seesaw,
     TokenCount,
     WideAccumulation,
 )
 from lightning_accum.monitor import split_summary
 from lightning_accum.precision import accumulation_dtype, scale_in_place
 from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
+from lightning_accum.seesaw import check_seesaw
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationMixin, updating_optimizer
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
 from lightning_accum.window import Window
@@ -69,6 +71,7 @@ class AccumulationScheduler(Callback):
         base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
         lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
         lr_scale_max: The largest LR scale, warned of when first passed; ``None``: no cap, and a warning past 4.
+        beta2_follows_batch: Adam's ``beta2 ** (batch / base)`` in each update: its half-life kept in samples.
         normalize_by: A micro-batch weighs the same (``"micro_batch"``) or its items (``"sample"``, ``"token"``).
         token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
@@ -81,6 +84,9 @@ class AccumulationScheduler(Callback):
         adaptive_max_factor: The largest factor adaptive growth may reach.
         adaptive_confidence: One-sided confidence of a factor's first test, spent over its later ones, ``[0.5, 1)``.
         adaptive_shrink: Let the factor come down again when the noise scale's upper bound falls below the batch.
+        adaptive_lr_bound: Hold growth to the ``SampleDrivenLR``'s peak over current LR, or past it a tenth of B_noise.
+        seesaw: Double the factor where the ``SampleDrivenLR``'s LR halves; ``lr_scaling`` gives back its share.
+        seesaw_max_factor: The largest factor Seesaw reaches; past it the LR schedule goes on as given.
         grad_accum_dtype: The dtype micro-batch gradients are summed in where the parameters are narrower
             (``"float32"``, ``"float64"``, a ``torch.dtype``); ``"auto"``: float32 where the strategy supports it, with
             a warning elsewhere; ``None``: the parameters' dtype (``docs/precision.md``).
@@ -113,6 +119,7 @@ class AccumulationScheduler(Callback):
         base_batch_size: PositiveInt | None = None,
         lr_warmup_steps: NonNegativeInt = 0,
         lr_scale_max: PositiveFloat | None = None,
+        beta2_follows_batch: bool = False,
         normalize_by: Literal["micro_batch", "sample", "token"] = "micro_batch",
         token_key: str | int = "labels",
         ignore_index: int = -100,
@@ -125,6 +132,9 @@ class AccumulationScheduler(Callback):
         adaptive_max_factor: PositiveInt = 64,
         adaptive_confidence: Confidence = 0.9,
         adaptive_shrink: bool = False,
+        adaptive_lr_bound: bool = True,
+        seesaw: bool = False,
+        seesaw_max_factor: PositiveInt = 8,
         log_metrics: bool = True,
         grad_accum_dtype: str | None = "auto",
     ) -> None:
@@ -132,14 +142,16 @@ class AccumulationScheduler(Callback):
         check_arguments(adaptive, noise_scale, micro_batch_size)
         # The one place features are registered, each with its switch (arguments checked, on or off), in the order
         # events reach them: each publishes what the ones after it read; metrics logs what all of them added.
+        growth = (adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink, adaptive_lr_bound)
         registry: list[tuple[Feature, bool]] = [
             (TokenCount(token_key, ignore_index, count_items, normalize_by), unit == "token"),
             (ItemWeighting(normalize_by, token_key, ignore_index, count_items), normalize_by != "micro_batch"),
             (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (NoiseScale(noise_scale_decay, noise_scale_interval, adaptive), check_bool("noise_scale", noise_scale)),
-            (AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink), adaptive),
-            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
+            (AdaptiveGrowth(*growth), adaptive),
+            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max, beta2_follows_batch), True),
             (SampleDrivenSchedules(), True),
+            (Seesaw(seesaw_max_factor, lr_scaling), check_seesaw(seesaw, seesaw_max_factor, adaptive)),  # reads it
             (ProgressBar(), True),
             (Metrics(), check_bool("log_metrics", log_metrics)),
         ]
@@ -171,6 +183,9 @@ class AccumulationScheduler(Callback):
 
     def estimated_stepping_batches(self, trainer: pl.Trainer) -> int | float:
         """The optimizer steps this run takes under the schedule, for sizing LR schedulers (see the function)."""
+        seesaw = self._features.get("seesaw")  # from the fit's start: the steps at Seesaw's factors
+        if isinstance(seesaw, Seesaw) and seesaw.fitting and seesaw.planned_steps is not None:
+            return seesaw.planned_steps
         return count_steps(trainer, self._spec, micro_batch_size=None)
 
     # ------------------------------------------------------------------ the fit

@@ -15,6 +15,7 @@ It builds values from what it is handed and never reads Trainer state; the metri
 | ``accum/lr`` | the learning rate the step really used (first param group, scale included), read before the step |
 | ``accum/lr_group_<i>`` | the same for each param group, when their rates differ |
 | ``accum/lr_scale`` | the factor the LR rule applied to the configured learning rate |
+| ``accum/beta2`` | with ``beta2_follows_batch=True``: the beta2 the step used (first param group) |
 | ``accum/samples_seen`` | samples consumed by all ranks together |
 | ``accum/optimizer_steps`` | optimizer steps taken (``trainer.global_step``) |
 | ``accum/micro_steps`` | micro-batches trained on (one rank) |
@@ -156,6 +157,7 @@ def tensorboard_layout(logged: Iterable[str] | None = None) -> dict[str, dict[st
             "lr as used": ["Multiline", [r"^accum/lr$"]],
             "lr as used, per param group": ["Multiline", [r"^accum/lr_group_\d+$"]],
             "lr scale": ["Multiline", [r"^accum/lr_scale$"]],
+            "beta2 as used": ["Multiline", [r"^accum/beta2$"]],
         },
         "loss and speed": {
             "window loss": ["Multiline", [r"^accum/window_loss$"]],

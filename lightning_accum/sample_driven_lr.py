@@ -15,7 +15,9 @@ own calls to :meth:`SampleDrivenLR.step` then do nothing. Without the callback i
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
 from collections.abc import Callable
 from numbers import Integral, Real
 from typing import Any, Literal
@@ -118,6 +120,37 @@ class SampleDrivenLR(LRScheduler):
             self.scheduler.step()
             self.taken += 1
         self._last_lr = self.scheduler.get_last_lr()
+
+    def planned_lrs(self) -> list[float]:
+        """The first param group's LR at each step of the wrapped scheduler, from where it stands to ``steps``.
+
+        Read by stepping the scheduler ahead and putting it back as it was (its state and the param groups' rates),
+        so the run's schedule is untouched: what Seesaw and adaptive growth read the LR schedule's shape from. Entry
+        ``j`` is the rate after ``taken + j`` steps.
+
+        Example::
+
+            >>> import torch
+            >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+            >>> schedule = SampleDrivenLR(torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5), steps=5, total=50)
+            >>> schedule.planned_lrs(), optimizer.param_groups[0]["lr"]
+            ([1.0, 1.0, 0.5, 0.5, 0.25, 0.25], 1.0)
+        """
+        assert self.steps is not None, "given, or set by attach"
+        state = copy.deepcopy(self.scheduler.state_dict())
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        lrs = [float(self.scheduler.get_last_lr()[0])]
+        try:
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": no update is taken
+                warnings.simplefilter("ignore")
+                for _ in range(self.taken, self.steps):
+                    self.scheduler.step()
+                    lrs.append(float(self.scheduler.get_last_lr()[0]))
+        finally:
+            self.scheduler.load_state_dict(state)
+            for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
+                group.update(saved)  # the rates, and the momentum or betas a cycling scheduler moves
+        return lrs
 
     def step(self, epoch: Any = None) -> None:
         """Lightning's call after an optimizer step: one step of the wrapped scheduler, unless a callback moves it."""

@@ -177,9 +177,13 @@ class ScaledStep:
     (without a closure, as under AMP's GradScaler, and for L-BFGS, which reads its ``lr`` before calling the closure,
     it is applied as the step begins).
 
+    With ``beta2_power``, Adam's ``beta2`` is raised to its value for the update too (``beta2 ** (batch / base)``:
+    the second moment's half-life kept in samples or tokens, Marek et al. 2025) and put back with the rate.
+
     Args:
         optimizer: The optimizer to scale.
         scale: Returns the scale for the step about to be taken.
+        beta2_power: Returns the power for ``beta2`` in the step about to be taken; ``None``: ``betas`` untouched.
 
     Example::
 
@@ -194,10 +198,12 @@ class ScaledStep:
         >>> scaled.remove()
     """
 
-    def __init__(self, optimizer: Optimizer, scale: Any) -> None:
+    def __init__(self, optimizer: Optimizer, scale: Any, beta2_power: Any = None) -> None:
         self._optimizer = optimizer
         self._scale = scale
+        self._beta2_power = beta2_power
         self._unscaled: list[Any] | None = None
+        self._betas: list[Any] = []  # the param groups' configured betas while the power is applied
         self._handles: list[RemovableHandle] = [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._restore),
@@ -218,6 +224,12 @@ class ScaledStep:
         if self._unscaled is not None:
             return list(self._unscaled)
         return [group["lr"] for group in self._optimizer.param_groups]
+
+    def configured_betas(self) -> list[Any]:
+        """The param groups' ``betas`` without the power (``None`` for a group without), also while it is applied."""
+        if self._betas:
+            return list(self._betas)
+        return [group.get("betas") for group in self._optimizer.param_groups]
 
     def _before_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # torch hands a pre-hook the step's own arguments: (optimizer, closure?) and its keywords
@@ -243,13 +255,25 @@ class ScaledStep:
         if scale != 1.0:
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * scale
+        power = 1.0 if self._beta2_power is None else self._beta2_power()
+        if power != 1.0:
+            self._betas = [group.get("betas") for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                if "betas" in group:
+                    beta1, beta2 = group["betas"]
+                    group["betas"] = (beta1, beta2**power)
 
     def _restore(self, optimizer: Optimizer, *_: Any) -> None:
         if self._unscaled is None:
             return
         for group, lr in zip(optimizer.param_groups, self._unscaled, strict=True):
             group["lr"] = lr
-        self._unscaled = None
+        for group, betas in zip(
+            optimizer.param_groups, self._betas or [None] * len(optimizer.param_groups), strict=True
+        ):
+            if betas is not None:
+                group["betas"] = betas
+        self._unscaled, self._betas = None, []
 
     def remove(self) -> None:
         """Detach from the optimizer, putting back the configured values if an update raised while scaled."""

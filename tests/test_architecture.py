@@ -25,6 +25,7 @@ from lightning_accum.features import (
     NoiseScale,
     ProgressBar,
     SampleDrivenSchedules,
+    Seesaw,
     TokenCount,
     WideAccumulation,
 )
@@ -48,6 +49,7 @@ PURE = [
     "precision",
     "split",
     "sample_driven_lr",
+    "seesaw",
     "coupled",
     "data_position",
     "zero",
@@ -100,20 +102,21 @@ def test_no_feature_reads_the_trainer_or_imports_its_internals():
 
 
 def test_the_core_reads_on_one_screen():
-    """The noise scale in at most 300 lines, the coordinator's class in at most 355 (350 before its FSDP2 check at
-    ``on_fit_start``, issue 53) and its module in 450."""
+    """The noise scale in at most 300 lines, the coordinator's class in at most 372 (350 before its FSDP2 check at
+    ``on_fit_start``, issue 53; 355 before issue 54's four arguments, each a line of signature and of docstring, and
+    the Seesaw and adaptive bound entries of its registry) and its module in 460 (450 before them)."""
     callback = MODULES["lightning_accum.callback"]
     (scheduler,) = [
         node for node in ast.parse(callback.read_text()).body if getattr(node, "name", "") == "AccumulationScheduler"
     ]
-    assert scheduler.end_lineno - scheduler.lineno + 1 <= 355
-    assert len(callback.read_text().splitlines()) <= 450
+    assert scheduler.end_lineno - scheduler.lineno + 1 <= 372
+    assert len(callback.read_text().splitlines()) <= 460
     assert len(MODULES["lightning_accum.features.noise_scale"].read_text().splitlines()) <= 300
 
 
 def test_no_feature_module_imports_another():
     features = {name for name in MODULES if name.startswith("lightning_accum.features.")}
-    assert len(features) == 9
+    assert len(features) == 10
     for name in features:
         assert not (imports(MODULES[name]) & (features - {name})), name
 
@@ -208,6 +211,7 @@ def test_the_documented_event_table_is_what_each_feature_handles():
         AdaptiveGrowth(),
         LRScaling(),
         SampleDrivenSchedules(),
+        Seesaw(),
         ProgressBar(),
         Metrics(),
     ]
@@ -276,10 +280,12 @@ def test_the_fabric_shell_stands_beside_the_callback_on_the_core_and_never_reach
 
 
 def test_the_fabric_shell_reads_in_a_few_screens():
+    """The Accumulator's class in at most 510 lines and its module in 590 (500 and 580 before issue 54's four arguments
+    and their docstring lines)."""
     accumulator = MODULES["lightning_accum.fabric.accumulator"]
     (shell,) = [node for node in ast.parse(accumulator.read_text()).body if getattr(node, "name", "") == "Accumulator"]
-    assert shell.end_lineno - shell.lineno + 1 <= 500
-    assert len(accumulator.read_text().splitlines()) <= 580
+    assert shell.end_lineno - shell.lineno + 1 <= 510
+    assert len(accumulator.read_text().splitlines()) <= 590
 
 
 def _dispatched(monkeypatch: pytest.MonkeyPatch) -> list[str]:

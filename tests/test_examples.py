@@ -69,6 +69,7 @@ def test_every_example_config_sets_the_callback_by_class_path():
         "lm_step_schedule.yaml",
         "lm_ddp.yaml",
         "lm_adaptive.yaml",
+        "lm_seesaw.yaml",
     }
     for path in [*CONFIGS, HF_CONFIG]:
         assert _init_args(yaml.safe_load(path.read_text())), path
@@ -119,6 +120,32 @@ def test_the_adaptive_config_anneals_its_schedule_where_the_epoch_ends(train_lm,
     assert config.scheduler.steps == epoch_steps
     assert config.scheduler.taken == epoch_steps  # the one-cycle schedule ran to its end with the epoch
     assert cli.trainer.global_step <= epoch_steps
+
+
+def test_the_seesaw_config_doubles_the_factor_where_the_one_cycle_halves_the_lr(train_lm, tmp_path):
+    args = ["fit", f"--config={CONFIGS[0].parent / 'lm_seesaw.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
+    cli = train_lm.main([*args, *SMALL, "--data.corpus_bytes=30000", "--trainer.log_every_n_steps=1"])
+    seesaw = _callback(cli).features["seesaw"]
+    (config,) = cli.trainer.lr_scheduler_configs
+    factors = [factor for _, factor in seesaw.schedule.points]  # type: ignore[attr-defined]
+    assert factors == [2, 4, 8, 16]  # the one-cycle's LR halves four times before its end (at most 16)
+    assert cli.trainer.global_step == seesaw.planned_steps  # type: ignore[attr-defined]
+    assert config.scheduler.taken == config.scheduler.steps  # the schedule ran to its end with the epoch
+    logged = _scalars(Path(cli.trainer.logger.log_dir), "accum/factor")
+    assert logged[0] == 2.0
+    assert sorted(set(logged)) == [2.0, 4.0, 8.0, 16.0]
+    assert logged == sorted(logged)
+
+
+def test_the_data_module_reads_a_users_file(train_lm, tmp_path):
+    text = tmp_path / "mine.txt"
+    text.write_bytes(bytes(range(256)) * 100)
+    args = ["fit", f"--config={CONFIGS[0].parent / 'lm_ramp.yaml'}", f"--trainer.default_root_dir={tmp_path}"]
+    cli = train_lm.main(
+        [*args, *SMALL, f"--data.path={text}", "--trainer.max_steps=1", "--trainer.val_check_interval=2"]
+    )
+    inputs, _ = cli.datamodule.train_set[0]
+    assert inputs.tolist() == list(range(16))  # the file's bytes, not the standard library's
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.name)

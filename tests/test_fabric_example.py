@@ -5,6 +5,7 @@ under every batch schedule."""
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -50,20 +51,47 @@ def fabric_pretrain():
     yield from _example("fabric_pretrain")
 
 
-def test_the_pretraining_example_compares_four_batch_schedules_at_one_token_budget(fabric_pretrain, capsys):
+def test_the_pretraining_example_compares_five_batch_schedules_at_one_token_budget(fabric_pretrain, capsys):
     """Tiny sizes: every schedule spends the budget (each run ends at the window that reaches it), the large batch takes
-    about a fourth of the small one's steps, the ramp and adaptive growth fewer than the small one, and the table
-    prints each schedule's means."""
+    about a fourth of the small one's steps, the ramp, Seesaw and adaptive growth fewer than the small one, and the
+    table prints each schedule's means."""
     tiny = ["--seeds", "0", "--tokens", "40000", "--corpus-bytes", "200000", "--width", "16", "--layers", "1"]
     rows = fabric_pretrain.main([*tiny, "--heads", "2", "--max-factor", "4", "--context", "32"])
     printed = capsys.readouterr().out
     by_name = {row["schedule"]: row for row in rows}
-    assert list(by_name) == ["small", "large", "ramp", "adaptive"]
+    assert list(by_name) == ["small", "large", "ramp", "seesaw", "adaptive"]
     small = by_name["small"]["steps"]
     assert small == 40000 // (8 * 32) + (40000 % (8 * 32) > 0)  # micro-batches of 8 x 32 tokens, factor 1
     assert by_name["large"]["steps"] == pytest.approx(small / 4, abs=1)
     assert by_name["ramp"]["steps"] < small
     assert by_name["adaptive"]["steps"] <= small
+    assert small / 2 < by_name["seesaw"]["steps"] < small  # factor 1 until the cosine's LR halves, half-way
     for row in rows:
         assert 0 < row["loss"] < 6  # bytes: ln 256 = 5.5 at chance
         assert f"| {row['schedule']} | {row['steps']:.0f} | {row['steps_ratio']:.2f} |" in printed
+
+
+def test_the_pretraining_example_trains_on_a_users_file_and_writes_every_run(fabric_pretrain, tmp_path):
+    """``--data FILE --schedules small seesaw --json OUT``: small always runs first; OUT holds each run's seed,
+    schedule, optimizer steps, held-out loss and seconds."""
+    text = tmp_path / "mine.txt"
+    text.write_bytes(b"".join(path.read_bytes() for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))))
+    out = tmp_path / "runs.json"
+    tiny = ["--tokens", "20000", "--corpus-bytes", "100000", "--width", "16", "--layers", "1", "--heads", "2"]
+    chosen = ["--seeds", "3", "4", "--schedules", "seesaw", "--data", str(text), "--json", str(out)]
+    rows = fabric_pretrain.main([*tiny, "--context", "32", *chosen])
+    assert [row["schedule"] for row in rows] == ["small", "seesaw"]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(run["seed"], run["schedule"]) for run in runs] == [
+        (3, "small"),
+        (3, "seesaw"),
+        (4, "small"),
+        (4, "seesaw"),
+    ]
+    for run in runs:
+        assert {"seed", "schedule", "steps", "loss", "seconds"} <= run.keys()
+        assert run["steps"] > 0
+        assert 0 < run["loss"] < 6
+    (tmp_path / "short.txt").write_bytes(b"x" * 100)
+    with pytest.raises(ValueError, match=r"at least 20000"):
+        fabric_pretrain.main([*tiny, "--data", str(tmp_path / "short.txt")])

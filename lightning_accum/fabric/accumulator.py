@@ -63,12 +63,14 @@ from lightning_accum.features import (
     Metrics,
     NoiseScale,
     SampleDrivenSchedules,
+    Seesaw,
     TokenCount,
     WideAccumulation,
 )
 from lightning_accum.precision import accumulation_dtype
 from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.schedule import Budget, Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
+from lightning_accum.seesaw import check_seesaw
 from lightning_accum.sync import check_gradient_sync, skip_gradient_sync
 from lightning_accum.window import Window
 
@@ -97,6 +99,7 @@ class Accumulator:
         base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
         lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
         lr_scale_max: The largest LR scale, warned of when first passed; ``None``: no cap, and a warning past 4.
+        beta2_follows_batch: Adam's ``beta2 ** (batch / base)`` in each update: its half-life kept in samples.
         normalize_by: A micro-batch weighs the same (``"micro_batch"``) or its items (``"sample"``, ``"token"``).
         token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.
         ignore_index: The label value that bears no loss.
@@ -116,6 +119,9 @@ class Accumulator:
         adaptive_max_factor: The largest factor adaptive growth may reach.
         adaptive_confidence: One-sided confidence of a factor's first test, spent over its later ones, ``[0.5, 1)``.
         adaptive_shrink: Let the factor come down again when the noise scale's upper bound falls below the batch.
+        adaptive_lr_bound: Hold growth to the ``lr_scheduler``'s peak over current LR, or past it a tenth of B_noise.
+        seesaw: Double the factor where the ``lr_scheduler``'s LR halves; ``lr_scaling`` gives back its share.
+        seesaw_max_factor: The largest factor Seesaw reaches; past it the LR schedule goes on as given.
         log_metrics: Log the ``accum/...`` metrics through Fabric's loggers every ``log_every_n_steps`` steps.
         log_every_n_steps: Optimizer steps between two logged steps.
         lr_scheduler: A :class:`~lightning_accum.SampleDrivenLR` over ``optimizer``, moved after each window to where
@@ -155,6 +161,7 @@ class Accumulator:
         base_batch_size: int | None = None,
         lr_warmup_steps: int = 0,
         lr_scale_max: float | None = None,
+        beta2_follows_batch: bool = False,
         normalize_by: Literal["micro_batch", "sample", "token"] = "micro_batch",
         token_key: str | int = "labels",
         ignore_index: int = -100,
@@ -170,6 +177,9 @@ class Accumulator:
         adaptive_max_factor: int = 64,
         adaptive_confidence: float = 0.9,
         adaptive_shrink: bool = False,
+        adaptive_lr_bound: bool = True,
+        seesaw: bool = False,
+        seesaw_max_factor: int = 8,
         log_metrics: bool = True,
         log_every_n_steps: int = 50,
         lr_scheduler: SampleDrivenLR | None = None,
@@ -183,6 +193,7 @@ class Accumulator:
         self._policy = check_gradient_sync(gradient_sync)
         log_every = check_int("log_every_n_steps", log_every_n_steps, minimum=1)
         # the callback's features, each with its switch, in its order (the progress bar, the Trainer's, left out)
+        growth = (adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink, adaptive_lr_bound)
         registry: list[tuple[Feature, bool]] = [
             (TokenCount(token_key, ignore_index, count_items, normalize_by, shift_labels), unit == "token"),
             (
@@ -191,9 +202,10 @@ class Accumulator:
             ),
             (WideAccumulation(*accumulation_dtype(grad_accum_dtype)), grad_accum_dtype is not None),
             (NoiseScale(noise_scale_decay, noise_scale_interval, adaptive), check_bool("noise_scale", noise_scale)),
-            (AdaptiveGrowth(adaptive_target, adaptive_max_factor, adaptive_confidence, adaptive_shrink), adaptive),
-            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max), True),
+            (AdaptiveGrowth(*growth), adaptive),
+            (LRScaling(lr_scaling, base_batch_size, lr_warmup_steps, lr_scale_max, beta2_follows_batch), True),
             (SampleDrivenSchedules(), True),
+            (Seesaw(seesaw_max_factor, lr_scaling), check_seesaw(seesaw, seesaw_max_factor, adaptive)),  # reads it
             (Metrics(), check_bool("log_metrics", log_metrics)),
         ]
         self._features = Features(feature for feature, enabled in registry if enabled)

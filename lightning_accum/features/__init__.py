@@ -12,6 +12,7 @@ from lightning_accum.features.metrics import Metrics
 from lightning_accum.features.noise_scale import NoiseScale
 from lightning_accum.features.progress_bar import ProgressBar
 from lightning_accum.features.sample_driven import SampleDrivenSchedules
+from lightning_accum.features.seesaw import Seesaw
 from lightning_accum.features.token_count import TokenCount
 from lightning_accum.features.wide_accumulation import WideAccumulation
 
@@ -23,6 +24,7 @@ __all__ = [
     "NoiseScale",
     "ProgressBar",
     "SampleDrivenSchedules",
+    "Seesaw",
     "TokenCount",
     "WideAccumulation",
 ]

@@ -17,14 +17,17 @@ whose LR schedule is moved by samples); raises ``ctx.factor`` and publishes ``ct
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.adaptive import AdaptiveFactor, Decision, look, ready
+from lightning_accum.adaptive import AdaptiveFactor, Decision, budget_bound, look, ready
 from lightning_accum.events import Context, Feature
 from lightning_accum.sample_driven_lr import SampleDrivenLR
+from lightning_accum.schedule import Schedule, check_bool
+from lightning_accum.seesaw import growth_bound
 
 
 class AdaptiveGrowth(Feature):
@@ -39,9 +42,14 @@ class AdaptiveGrowth(Feature):
         confidence: The one-sided confidence of the first test at a factor, in ``[0.5, 1)``; later tests at the same
             factor spend ``1 - confidence`` between them.
         shrink: Whether the factor may come down again (never below the schedule's).
+        lr_bound: Hold the factor, where the run has one :class:`~lightning_accum.SampleDrivenLR`, to the first
+            window's factor times the LR schedule's peak so far over its current LR
+            (:func:`~lightning_accum.seesaw.growth_bound`), or past it to a batch of at most a tenth of the noise
+            scale (:func:`~lightning_accum.adaptive.budget_bound`): on a fixed budget a larger batch pays where the
+            schedule would have lowered the LR as much, or where it costs at most a tenth more examples.
 
     Raises:
-        TypeError: If ``max_factor`` is not an integer or ``shrink`` not a bool.
+        TypeError: If ``max_factor`` is not an integer, or ``shrink`` or ``lr_bound`` not a bool.
         ValueError: If ``target`` is not a positive finite number, ``max_factor`` is below 1 or ``confidence`` is not
             a number in ``[0.5, 1)``.
 
@@ -62,11 +70,18 @@ class AdaptiveGrowth(Feature):
     name = "adaptive"
 
     def __init__(
-        self, target: float = 1.0, max_factor: int = 64, confidence: float = 0.9, shrink: bool = False
+        self,
+        target: float = 1.0,
+        max_factor: int = 64,
+        confidence: float = 0.9,
+        shrink: bool = False,
+        lr_bound: bool = True,
     ) -> None:
         if not isinstance(shrink, bool):
             raise TypeError(f"`adaptive_shrink` must be a bool, got {shrink!r}")
         self.policy = AdaptiveFactor(target, max_factor, confidence, shrink)  # the decision rule, read-only
+        self.lr_bound = check_bool("adaptive_lr_bound", lr_bound)
+        self.bound: Schedule | None = None  # the LR schedule's bound on the factor, from the run's first window
         self.factor = 0  # 0 until the policy has set one
         self._decided_at = 0  # the optimizer step of the measured window the latest decision read
         self._fresh = 0  # windows measured since the factor last changed: the evidence a decision may use
@@ -74,7 +89,7 @@ class AdaptiveGrowth(Feature):
 
     @override
     def reset(self) -> None:
-        self.factor, self._decided_at, self._fresh, self._world = 0, 0, 0, 0
+        self.factor, self._decided_at, self._fresh, self._world, self.bound = 0, 0, 0, 0, None
 
     @override
     def fit_start(self, ctx: Context) -> None:
@@ -93,14 +108,35 @@ class AdaptiveGrowth(Feature):
                 f" and holds its last value. Bound the run by {bound} instead"
             )
         shrinks = ", shrinking too" if self.policy.shrink else ""
+        bounded = ""
+        if self.lr_bound and any(isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers):
+            bounded = (
+                ", held to the first factor x the LR schedule's peak over its current LR, or past it to a tenth of the"
+                " noise scale"
+            )
         ctx.summary.append(
             f"adaptive: batch up to {self.policy.target:g} x the noise scale's lower bound (confidence"
             f" {self.policy.confidence:.0%} at a factor's first test, spent over its later ones), at most doubling,"
-            f" factor <= {self.policy.max_factor}{shrinks}"
+            f" factor <= {self.policy.max_factor}{shrinks}{bounded}"
+        )
+
+    def _read_bound(self, ctx: Context) -> None:
+        """The LR schedule's bound, read at the run's first window (the schedule attached, none of it taken)."""
+        driven = [s for s, _, _ in ctx.run.lr_schedulers if isinstance(s, SampleDrivenLR) and s.attached]
+        if len(driven) != 1:  # no budget to read (or two schedules, which may disagree): the noise scale alone
+            return
+        (scheduler,) = driven
+        assert scheduler.steps is not None, "attached"
+        assert scheduler.total is not None, "attached"
+        lrs, base = scheduler.planned_lrs(), max(1, ctx.factor)
+        self.bound = growth_bound(
+            lrs, scheduler.steps, scheduler.total, scheduler.unit, base, self.policy.max_factor, start=scheduler.taken
         )
 
     @override
     def window_opening(self, ctx: Context) -> None:
+        if self.lr_bound and self.bound is None and ctx.optimizer_steps == 0:
+            self._read_bound(ctx)
         reading = ctx.noise
         if reading is not None and reading.step > self._decided_at:  # a window was measured since the last decision
             self._decided_at, self._fresh = reading.step, self._fresh + 1
@@ -113,12 +149,23 @@ class AdaptiveGrowth(Feature):
                 moment = look(self._fresh, evidence.measurements)
                 decision = self.policy.decide(current, per_factor, evidence, floor=scheduled, look=moment)
                 proposal = current if decision is None else decision.factor
+                if decision is not None:  # the budget may hold growth back
+                    held = budget_bound(self._bound_at(ctx), decision.low / self.policy.target, per_factor)
+                    if proposal > held:
+                        proposal = max(current, held)
+                        decision = replace(decision, factor=proposal, held=held)
             proposal = int(ctx.broadcast(proposal))  # every rank takes rank zero's decision
             if proposal != current:
                 self.factor, self._fresh = proposal, 0
                 if decision is not None:
                     ctx.run.print(_decision_line(ctx, current, decision, per_factor, self.policy.target))
         self._apply(ctx)
+
+    def _bound_at(self, ctx: Context) -> int:
+        """The largest factor the LR schedule allows at the run's position (no bound: ``max_factor``)."""
+        if self.bound is None:
+            return self.policy.max_factor
+        return self.bound.factor_at(ctx.tokens_seen if self.bound.unit == "token" else ctx.samples_seen)
 
     def _apply(self, ctx: Context) -> None:
         ctx.factor, ctx.factor_floor = max(ctx.factor, self.factor), max(1, self.factor)
@@ -135,7 +182,15 @@ class AdaptiveGrowth(Feature):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"factor": self.factor, "decided_at": self._decided_at, "fresh": self._fresh, "world_size": self._world}
+        state: dict[str, Any] = {
+            "factor": self.factor,
+            "decided_at": self._decided_at,
+            "fresh": self._fresh,
+            "world_size": self._world,
+        }
+        if self.bound is not None:
+            state["bound"] = {"points": [list(point) for point in self.bound.points], "unit": self.bound.unit}
+        return state
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -143,6 +198,8 @@ class AdaptiveGrowth(Feature):
         self._decided_at = int(state.get("decided_at", state.get("checked_at", 0)))
         self._fresh = int(state.get("fresh", 0))
         self._world = int(state.get("world_size", 0))  # 0: written before it was kept, taken as this run's
+        bound = state.get("bound")
+        self.bound = None if not bound else Schedule(tuple((int(p), int(f)) for p, f in bound["points"]), bound["unit"])
 
 
 def _carried(ctx: Context, factor: int, world: int, max_factor: int) -> int:
@@ -176,7 +233,12 @@ def _decision_line(ctx: Context, current: int, decision: Decision, per_factor: f
     if decision.factor > current:
         bound = f"at least {decision.low / target:.4g}"
         calls = f"calls for factor {decision.called}"
-        if decision.called > decision.factor:
+        if decision.held is not None and decision.held < min(decision.called, 2 * current):
+            calls += (
+                f", held to {decision.held} by the budget (the LR schedule's peak over its current LR, or a batch of at"
+                " most a tenth of the noise scale)"
+            )
+        elif decision.called > decision.factor:
             calls += ", taken a doubling at a time, each on fresh evidence"
     else:
         bound, calls = f"at most {decision.high / target:.4g}", f"calls for no more than factor {decision.factor}"

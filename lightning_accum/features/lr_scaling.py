@@ -32,7 +32,7 @@ from lightning_accum.scaling import (
     lr_scale,
     lr_summary,
 )
-from lightning_accum.schedule import check_int
+from lightning_accum.schedule import check_bool, check_int
 
 
 class LRScaling(Feature):
@@ -45,11 +45,14 @@ class LRScaling(Feature):
         warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
         max_scale: The largest scale (``lr_scale_max``): the rule's scale is capped there, with a warning the first
             time; ``None``: no cap, and a warning the first time the scale passes :data:`SCALE_WARNING` (4).
+        beta2: Keep Adam's ``beta2`` half-life fixed in samples (or tokens) as the batch changes
+            (``beta2_follows_batch``): each update uses ``beta2 ** (batch / base_batch_size)`` (Marek et al. 2025),
+            logged as ``accum/beta2``; the param groups keep their own ``betas`` outside the update.
 
     Raises:
         TypeError: If ``base_batch_size`` or ``warmup_steps`` is not an integer.
         ValueError: If ``rule`` is unknown or a number is out of range; at ``FIT_START``, if ``base_batch_size`` is
-            given and the micro-batch size is unknown.
+            given and the micro-batch size is unknown, or ``beta2`` is on and an optimizer has no ``betas``.
 
     Example::
 
@@ -73,8 +76,11 @@ class LRScaling(Feature):
         base_batch_size: int | None = None,
         warmup_steps: int = 0,
         max_scale: float | None = None,
+        beta2: bool = False,
     ) -> None:
         self.rule = check_rule(rule)
+        self.beta2 = check_bool("beta2_follows_batch", beta2)
+        self._power = 1.0  # beta2's power in the step the window in progress ends with
         self.max_scale = check_max_scale(max_scale)
         self._warned = False  # whether this run was told its scale passed the bound
         self._configured_base = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
@@ -104,12 +110,17 @@ class LRScaling(Feature):
             )
         # the rule "none" keeps the scale at 1 (nothing to apply around the optimizers' steps), unless a checkpoint's
         # warmup still moves it from another rule's value
-        scales = self.rule != "none" or self._warmup.start != 1.0 or self._warmup.target != 1.0
-        self._scaled_steps = [ScaledStep(optimizer, self._current_scale) for optimizer in ctx.optimizers if scales]
+        scales = self.rule != "none" or self._warmup.start != 1.0 or self._warmup.target != 1.0 or self.beta2
+        power = self._current_power if self.beta2 else None
+        if self.beta2:
+            _check_betas(ctx)
+        self._scaled_steps = [ScaledStep(o, self._current_scale, power) for o in ctx.optimizers if scales]
         if ctx.optimizers:
             lr = _configured_lr(ctx.optimizers[0])
             assert self.base_batch_size is not None
             ctx.summary.append(lr_summary(lr, self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size))
+            if self.beta2:
+                ctx.summary.append(f"beta2 ** (batch / {self.base_batch_size:g}): its half-life kept in samples")
 
     def _resolve_base(self, ctx: Context) -> float:
         if self._configured_base is None:
@@ -124,6 +135,9 @@ class LRScaling(Feature):
     def _current_scale(self) -> float:
         return self._scale
 
+    def _current_power(self) -> float:
+        return self._power
+
     @override
     def window_opened(self, ctx: Context) -> None:
         assert self.base_batch_size is not None, "resolved at fit start"
@@ -133,6 +147,7 @@ class LRScaling(Feature):
             ctx.summary.append(f"lr scale {self._warmup.target:.4g} -> {target:.4g}{over}")
         self._warmup.set(target, step=ctx.optimizer_steps)
         self._scale = self._held(ctx, ctx.window.size)
+        self._power = ctx.effective_batch(ctx.window.size) / self.base_batch_size
 
     def _held(self, ctx: Context, micro_batches: int) -> float:
         """The scale of a step on ``micro_batches`` of the window's factor: the rule at the batch the window holds."""
@@ -160,7 +175,9 @@ class LRScaling(Feature):
     @override
     def window_closing(self, ctx: Context) -> None:
         if ctx.window.taken < ctx.window.size:  # an epoch of unknown length ended: the window holds what it took
+            assert self.base_batch_size is not None, "resolved at fit start"
             self._scale = self._held(ctx, ctx.window.taken)
+            self._power = ctx.effective_batch(ctx.window.taken) / self.base_batch_size
         # what ScaledStep hands the optimizer for the update; the LR scheduler steps only after the optimizer
         scaled = next((s for s in self._scaled_steps if s.optimizer is ctx.optimizer), None)
         configured = scaled.configured() if scaled else [group["lr"] for group in ctx.optimizer.param_groups]
@@ -169,6 +186,9 @@ class LRScaling(Feature):
     @override
     def window_closed(self, ctx: Context) -> None:
         ctx.metrics["accum/lr_scale"] = self._scale
+        betas = ctx.optimizer.param_groups[0].get("betas") if self.beta2 and ctx.optimizer is not None else None
+        if betas is not None:
+            ctx.metrics["accum/beta2"] = float(betas[1]) ** self._power
         if not self._used:
             return
         ctx.metrics["accum/lr"] = self._used[0]
@@ -182,8 +202,10 @@ class LRScaling(Feature):
         for scaled, state in zip(self._scaled_steps, states, strict=False):
             groups = state.get("param_groups") if isinstance(state, dict) else None
             if scaled.applied and isinstance(groups, list) and len(groups) == len(scaled.configured()):
-                for group, lr in zip(groups, scaled.configured(), strict=True):
+                for group, lr, betas in zip(groups, scaled.configured(), scaled.configured_betas(), strict=True):
                     group["lr"] = lr
+                    if betas is not None:
+                        group["betas"] = betas
 
     @override
     def fit_end(self, ctx: Context) -> None:
@@ -204,6 +226,21 @@ class LRScaling(Feature):
         self._warmup.load_state_dict(state.get("warmup", {}))
         base = state.get("base_batch_size")
         self.base_batch_size = None if base is None else float(base)
+
+
+def _check_betas(ctx: Context) -> None:
+    """Refuse ``beta2_follows_batch`` where an optimizer has no ``betas`` to follow the batch.
+
+    Raises:
+        ValueError: Naming the optimizer.
+    """
+    for optimizer in ctx.optimizers:
+        if not all(len(group.get("betas") or ()) == 2 for group in optimizer.param_groups):
+            raise ValueError(
+                f"`beta2_follows_batch=True` keeps Adam's beta2 half-life fixed in samples, but"
+                f" {type(optimizer).__name__} has param groups without two `betas`: use it with Adam, AdamW (or another"
+                " optimizer with `betas`), or leave beta2_follows_batch=False"
+            )
 
 
 def _configured_lr(optimizer: Any) -> float:
