@@ -110,7 +110,17 @@ def trainer_run(out: Path, backend: str, precision: str) -> None:
         if sharded
         else DDPAccumulationStrategy()
     )
-    callback = AccumulationScheduler({0: 1}, **GROWTH)
+    fit(
+        out / f"trainer_{backend}_{precision}",
+        AccumulationScheduler({0: 1}, **GROWTH),
+        strategy,
+        precision,
+        Module(sharded),
+    )
+
+
+def fit(name: Path, callback: AccumulationScheduler, strategy: Any, precision: str, module: Module) -> None:
+    """A one-epoch fit on 2 ranks, each on its own half: ``<name>.rank<r>.json`` holds its windows and weights."""
     windows = Windows(callback)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -125,32 +135,15 @@ def trainer_run(out: Path, backend: str, precision: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = Module(sharded)
     trainer.fit(module, rank_loader(trainer.global_rank))
     record = {"windows": windows.sizes, "weights": full_weights(module.net)}
-    (out / f"trainer_{backend}_{precision}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    Path(f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def seesaw_run(out: Path) -> None:
+    rank = int(os.environ.get("LOCAL_RANK", 0))  # the launcher's, before the Trainer sets it up
     callback = AccumulationScheduler(seesaw=True, lr_scaling="sqrt")
-    windows = Windows(callback)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=DDPAccumulationStrategy(),
-        max_epochs=1,
-        callbacks=[callback, windows],
-        use_distributed_sampler=False,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    rank = int(os.environ.get("LOCAL_RANK", 0))
-    module = HalvingModule(quarters=1 if rank == 0 else 2)
-    trainer.fit(module, rank_loader(rank))
-    record = {"windows": windows.sizes, "weights": full_weights(module.net)}
-    (out / f"seesaw_disagree.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    fit(out / "seesaw_disagree", callback, DDPAccumulationStrategy(), "32-true", HalvingModule(1 if rank == 0 else 2))
 
 
 def fabric_run(out: Path, backend: str, precision: str) -> None:
