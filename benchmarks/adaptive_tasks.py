@@ -4,6 +4,7 @@
     PYTHONPATH=/path/to/other/checkout python benchmarks/adaptive_tasks.py --label before   # another version
     python benchmarks/adaptive_tasks.py --max-factor 8 --seeds 100 101 102 103   # growth to at most 8
     python benchmarks/adaptive_tasks.py --shell fabric --seeds 200 201 202 203      # a Fabric loop's Accumulator
+    python benchmarks/adaptive_tasks.py --interval 2 --runs adaptive unbounded      # every 2nd window; bound on/off
 
 Each task trains one model twice per seed on the same samples in the same order: at factor 1 throughout (``fixed``),
 and with ``AccumulationScheduler(noise_scale=True, adaptive=True, adaptive_max_factor=16)`` from factor 1
@@ -24,6 +25,8 @@ Tasks (micro-batches of 8, nothing shared between seeds but the task's definitio
   into 10 classes, 20% of the labels replaced at random; a two-layer student of width 64, Adam at 1e-3 and the
   square-root rule; held-out cross-entropy on 8,192 fresh samples of the same teacher.
 
+``--interval N`` measures every N-th window (``noise_scale_interval``, 10 by default); ``--runs adaptive unbounded``
+adds, beside adaptive growth as shipped, the same with ``adaptive_lr_bound=False``, each against the same fixed run.
 ``--shell fabric`` trains the same model, data and order in a Lightning Fabric loop through
 ``lightning_accum.fabric.Accumulator`` with the same arguments, instead of the Trainer. Runs go to subprocesses,
 ``--jobs`` at a time with one thread each.
@@ -76,7 +79,9 @@ def teacher_data(samples: int, seed: int) -> tuple[Any, Any]:
     return x, y
 
 
-def run(task: str, name: str, seed: int, max_factor: int = 16, shell: str = "trainer") -> dict[str, Any]:
+def run(
+    task: str, name: str, seed: int, max_factor: int = 16, shell: str = "trainer", interval: int = 10
+) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -110,7 +115,10 @@ def run(task: str, name: str, seed: int, max_factor: int = 16, shell: str = "tra
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     pl.seed_everything(seed, verbose=False)
-    options = {**ADAPTIVE, "adaptive_max_factor": max_factor} if name == "adaptive" else {}
+    options: dict[str, Any] = {}
+    if name != "fixed":  # "unbounded": adaptive growth with the budget's bound off (adaptive_lr_bound=False)
+        options = {**ADAPTIVE, "adaptive_max_factor": max_factor, "noise_scale_interval": interval}
+        options["adaptive_lr_bound"] = name == "adaptive"
     shuffle = torch.Generator().manual_seed(seed)
     train = DataLoader(TensorDataset(*data(samples, seed)), batch_size=MICRO, shuffle=True, generator=shuffle)
     if shell == "fabric":
@@ -130,7 +138,7 @@ def run(task: str, name: str, seed: int, max_factor: int = 16, shell: str = "tra
     x, y = data(8192, 10_000 + seed)
     with torch.no_grad():
         held_out = float(loss_fn(model.net(x), y))
-    factor = callback.features["adaptive"].factor if name == "adaptive" else 1  # type: ignore[attr-defined]
+    factor = callback.features["adaptive"].factor if name != "fixed" else 1  # type: ignore[attr-defined]
     return {"steps": trainer.global_step, "loss": held_out, "factor": max(1, factor)}
 
 
@@ -158,9 +166,9 @@ def fabric_run(model: Any, train: Any, loss_fn: Any, data: Any, seed: int, optio
     return {"steps": accumulator.optimizer_steps, "loss": held_out, "factor": max(1, factor)}
 
 
-def launch(task: str, name: str, seed: int, max_factor: int, shell: str) -> dict[str, Any]:
+def launch(task: str, name: str, seed: int, max_factor: int, shell: str, interval: int) -> dict[str, Any]:
     command = [sys.executable, __file__, "--one", task, name, str(seed), "--max-factor", str(max_factor)]
-    command += ["--shell", shell]
+    command += ["--shell", shell, "--interval", str(interval)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -176,6 +184,14 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--max-factor", type=int, default=16, help="adaptive_max_factor")
     parser.add_argument("--shell", choices=["trainer", "fabric"], default="trainer", help="the Trainer or Fabric")
+    parser.add_argument("--interval", type=int, default=10, help="noise_scale_interval")
+    parser.add_argument(
+        "--runs",
+        nargs="+",
+        choices=["adaptive", "unbounded"],
+        default=["adaptive"],
+        help="besides fixed: adaptive growth as shipped, and/or with adaptive_lr_bound=False",
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -184,21 +200,24 @@ def main() -> None:
 
         torch.set_num_threads(1)
         task, name, seed = args.one
-        print("RESULT " + json.dumps(run(task, name, int(seed), args.max_factor, args.shell)), flush=True)
+        result = run(task, name, int(seed), args.max_factor, args.shell, args.interval)
+        print("RESULT " + json.dumps(result), flush=True)
         return
     seeds = {task: args.seeds or TASKS[task][1] for task in args.tasks}
-    jobs = [(task, name, seed) for task in args.tasks for seed in seeds[task] for name in ("fixed", "adaptive")]
+    runs = ["fixed", *args.runs]
+    jobs = [(task, name, seed) for task in args.tasks for seed in seeds[task] for name in runs]
     with ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda job: launch(*job, args.max_factor, args.shell), jobs))
+        results = list(pool.map(lambda job: launch(*job, args.max_factor, args.shell, args.interval), jobs))
     rows = []
-    for task in args.tasks:
+    for task, kind in [(task, kind) for task in args.tasks for kind in args.runs]:
         fixed = {r["seed"]: r for r in results if r["task"] == task and r["run"] == "fixed"}
-        adaptive = [r for r in results if r["task"] == task and r["run"] == "adaptive"]
+        adaptive = [r for r in results if r["task"] == task and r["run"] == kind]
         steps = [r["steps"] / fixed[r["seed"]]["steps"] for r in adaptive]
         losses = [r["loss"] / fixed[r["seed"]]["loss"] for r in adaptive]
         rows.append(
             {
                 "task": task,
+                "run": kind,
                 "seeds": [r["seed"] for r in adaptive],
                 "steps_ratio": steps,
                 "loss_ratio": losses,
@@ -214,11 +233,13 @@ def main() -> None:
         " (mean +- s.e.) | worst seed | final factors |"
     )
     print("| --- | --- | ---: | ---: | ---: | --- |")
+    label = len(args.runs) > 1
     for row in rows:
         ratios = row["loss_ratio"]
         error = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
+        name = f"{row['task']} ({row['run']})" if label else row["task"]
         print(
-            f"| {row['task']} | {len(ratios)} | {statistics.mean(row['steps_ratio']):.2f} |"
+            f"| {name} | {len(ratios)} | {statistics.mean(row['steps_ratio']):.2f} |"
             f" {statistics.mean(ratios):.4f} +- {error:.4f} | {max(ratios):.4f} | {row['final_factors']} |"
         )
     kept = all(statistics.mean(r["loss_ratio"]) <= 1.01 and statistics.mean(r["steps_ratio"]) <= 0.5 for r in rows)

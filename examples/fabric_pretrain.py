@@ -22,7 +22,9 @@ micro-batches:
   at factor 1 a measured window's batch is yielded as its two halves.
 
 ``--data FILE`` trains on any text or bytes file instead (its last tenth held out); ``--beta2-follows-batch`` keeps
-AdamW's ``beta2`` half-life fixed in tokens as the batch grows (``beta2 ** factor``, Marek et al. 2025).
+AdamW's ``beta2`` half-life fixed in tokens as the batch grows (``beta2 ** factor``, Marek et al. 2025);
+``--devices N`` trains every run on N CPU processes (DDP over gloo, each rank its own shard of the data, the
+micro-batch per process, the token budget over all of them).
 
 The peak LR (8e-3) is the small batch's best of 2e-3, 4e-3, 8e-3 and 1.6e-2. A larger batch gets a larger LR by the
 linear rule from one micro-batch's batch (``lr_scaling="linear"``: on this model it beat the square-root rule for
@@ -35,6 +37,7 @@ to ``small``::
     python examples/fabric_pretrain.py --lr-scaling sqrt   # the square-root rule for every batch
     python examples/fabric_pretrain.py --seeds 0 --tokens 200000 --width 32 --layers 1   # a quick look
     python examples/fabric_pretrain.py --data my.txt --schedules small seesaw adaptive --seeds 7 8 9 --json out.json
+    python examples/fabric_pretrain.py --devices 2 --micro-batch 4   # 2 processes, the same global batch
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any
 import torch
 from lightning.fabric import Fabric
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_lm import ByteLM, ByteWindows, read_corpus, read_file  # noqa: E402
@@ -111,15 +114,22 @@ def options(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def train(schedule: str, seed: int, data: tuple[ByteWindows, ByteWindows], args: argparse.Namespace) -> dict[str, Any]:
+def train(
+    fabric: Fabric, schedule: str, seed: int, data: tuple[ByteWindows, ByteWindows], args: argparse.Namespace
+) -> dict[str, Any]:
     """One run of litgpt's loop through the Accumulator: its optimizer steps, held-out loss and wall time."""
     torch.manual_seed(seed)
-    fabric = Fabric(accelerator="cpu", devices=1)
     model = ByteLM(context=args.context, width=args.width, layers=args.layers, heads=args.heads)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)
-    order = torch.Generator().manual_seed(seed)  # the same micro-batches in the same order for every schedule
-    loader = DataLoader(data[0], batch_size=args.micro_batch, shuffle=True, generator=order, drop_last=True)
+    if fabric.world_size == 1:  # the same micro-batches in the same order for every schedule
+        order = torch.Generator().manual_seed(seed)
+        loader = DataLoader(data[0], batch_size=args.micro_batch, shuffle=True, generator=order, drop_last=True)
+    else:  # each rank its own shard, in an order set by the seed
+        shard = DistributedSampler(
+            data[0], fabric.world_size, fabric.global_rank, shuffle=True, seed=seed, drop_last=True
+        )
+        loader = DataLoader(data[0], batch_size=args.micro_batch, sampler=shard, drop_last=True)
     lr_steps = 1000  # the schedule's resolution: SampleDrivenLR places it by the tokens consumed
     lr = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(lr_steps // 20, lr_steps))
     accumulator = Accumulator(
@@ -131,8 +141,8 @@ def train(schedule: str, seed: int, data: tuple[ByteWindows, ByteWindows], args:
         count_items=lambda batch: batch[1].numel(),  # every target byte bears loss
         micro_batch_size=args.micro_batch,  # litgpt's micro_batch_size: an endless iterator has no batch_size
         lr_scheduler=SampleDrivenLR(lr, steps=lr_steps, total=args.tokens, unit="token"),
-        lr_scaling=args.lr_scaling,  # from the batch of one micro-batch, the small run's
-        base_batch_size=args.micro_batch,
+        lr_scaling=args.lr_scaling,  # from the batch of one micro-step on every rank, the small run's
+        base_batch_size=args.micro_batch * fabric.world_size,
         beta2_follows_batch=args.beta2_follows_batch,  # AdamW's beta2 half-life kept in tokens as the batch grows
         log_metrics=False,
         **options(schedule, args),
@@ -225,40 +235,49 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         dest="beta2_follows_batch",
         help="AdamW's beta2 ** (batch / one micro-batch's) in each update: its half-life kept in tokens",
     )
+    parser.add_argument(
+        "--devices", type=int, default=1, help="CPU processes (DDP over gloo); --micro-batch is per process"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every run and the summary here")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args = parse(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    strategy = "ddp" if args.devices > 1 else "auto"
+    fabric = Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+    fabric.launch()  # with --devices N, the script runs once per process from here on
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // args.devices))
     corpus = read_corpus(args.corpus_bytes) if args.data is None else read_file(args.data, args.corpus_bytes)
     split = int(len(corpus) * 0.9)
     data = (ByteWindows(corpus[:split], args.context), ByteWindows(corpus[split:], args.context))
-    print(f"{args.tokens:,} tokens a run; micro-batches of {args.micro_batch} x {args.context} bytes")
-    print("| seed | schedule | optimizer steps | held-out loss | wall time (s) | final factor |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    on = f" on each of {args.devices} processes" if args.devices > 1 else ""
+    fabric.print(f"{args.tokens:,} tokens a run; micro-batches of {args.micro_batch} x {args.context} bytes{on}")
+    fabric.print("| seed | schedule | optimizer steps | held-out loss | wall time (s) | final factor |")
+    fabric.print("| ---: | --- | ---: | ---: | ---: | ---: |")
     results = []
     schedules = ["small", *(schedule for schedule in args.schedules if schedule != "small")]
     for seed in args.seeds:
         for schedule in schedules:
-            result = {"seed": seed, "schedule": schedule, **train(schedule, seed, data, args)}
+            result = {"seed": seed, "schedule": schedule, **train(fabric, schedule, seed, data, args)}
             results.append(result)
-            print(
+            fabric.print(
                 f"| {seed} | {schedule} | {result['steps']} | {result['loss']:.4f} | {result['seconds']:.1f} |"
                 f" {result['factor']} |",
                 flush=True,
             )
     rows = summary(results)
-    print(f"\nmeans over {len(args.seeds)} seeds; steps and held-out loss also over small's, seed by seed")
-    print("| schedule | optimizer steps | steps / small | held-out loss | loss / small (+- s.e.) | wall time (s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    fabric.print(f"\nmeans over {len(args.seeds)} seeds; steps and held-out loss also over small's, seed by seed")
+    fabric.print(
+        "| schedule | optimizer steps | steps / small | held-out loss | loss / small (+- s.e.) | wall time (s) |"
+    )
+    fabric.print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
-        print(
+        fabric.print(
             f"| {row['schedule']} | {row['steps']:.0f} | {row['steps_ratio']:.2f} | {row['loss']:.4f} |"
             f" {row['loss_ratio']:.4f} +- {row['loss_ratio_se']:.4f} | {row['seconds']:.1f} |"
         )
-    if args.json is not None:
+    if args.json is not None and fabric.is_global_zero:
         options = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         args.json.write_text(json.dumps({"args": options, "runs": results, "rows": rows}))
     return rows

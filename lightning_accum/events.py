@@ -221,6 +221,9 @@ class Context:
         factor: The factor the window is opened with (the schedule's, or a feature's at ``WINDOW_OPENING``).
         factor_floor: Published at ``FIT_START`` and ``WINDOW_OPENING`` by adaptive growth: the adaptive factor in
             force (at least 1).
+        lr_cap_factor: Published at ``FIT_START`` by LR scaling: the largest factor whose LR scale the rule reaches
+            within ``lr_scale_max`` (``None``: no cap, or the rule ``"none"``); past it a larger batch lowers the LR
+            per sample as a decay would.
         batch: The micro-batch in progress.
         batch_idx: The index in the epoch of the loader batch in progress (the loop's own).
         loss: At ``BEFORE_BACKWARD`` the tensor backward runs on (the micro-batch's loss divided by
@@ -288,6 +291,7 @@ class Context:
     window: Window = field(default_factory=Window)
     factor: int = 1
     factor_floor: int = 1
+    lr_cap_factor: int | None = None
     batch: Any = None
     batch_idx: int = 0
     loss: torch.Tensor | None = None

@@ -77,6 +77,28 @@ def lr_scale(rule: LRScaling, effective_batch_size: float, base_batch_size: floa
     return ratio if rule == "linear" else math.sqrt(ratio)
 
 
+def cap_factor(rule: LRScaling, max_scale: float | None, base_batch_size: float, batch_per_factor: float) -> int | None:
+    """The largest factor whose LR scale the rule reaches within ``max_scale`` (``None``: nothing is capped).
+
+    Past it the scale stays at ``max_scale`` while the batch grows: each sample then moves the weights less, as a
+    decayed LR would. ``batch_per_factor`` is the effective batch of one unit of factor, in ``base_batch_size``'s
+    unit.
+
+    Example::
+
+        >>> cap_factor("linear", 4.0, base_batch_size=8, batch_per_factor=8)  # the scale reaches 4 at factor 4
+        4
+        >>> cap_factor("sqrt", 2.0, base_batch_size=8, batch_per_factor=8)  # sqrt(4) = 2
+        4
+        >>> cap_factor("linear", None, base_batch_size=8, batch_per_factor=8) is None
+        True
+    """
+    if max_scale is None or rule == "none" or batch_per_factor <= 0:
+        return None
+    capped_batch = base_batch_size * (max_scale if rule == "linear" else max_scale**2)
+    return max(1, math.floor(capped_batch / batch_per_factor + 1e-9))
+
+
 def held_window_scale(
     rule: LRScaling,
     scale: float,
@@ -90,7 +112,11 @@ def held_window_scale(
     ``scale`` is the factor's scale (its warmup included). A window cut short (an epoch's last, ``limit_train_batches``)
     steps at the rate of the batch it holds: the rule's scale at ``held_batch`` (capped at ``max_scale``), never more
     than ``scale``, so with the warmup done it is exactly the rule at ``held_batch``, and a warmup still rising from a
-    smaller scale keeps its value. A full window, or the rule ``"none"``, keeps ``scale``.
+    smaller scale keeps its value. Past the cap (the rule's scale at ``full_batch`` above ``max_scale``) the factor's
+    batch grew while its rate did not, as a decayed rate would: a short window keeps that decay, the factor's scale
+    times the rule's ratio of the held batch to the full one (its rate per sample under the linear rule), where the
+    rule at the held batch alone would step the last, noisiest window of an epoch at up to twice the full window's
+    rate per sample. A full window, or the rule ``"none"``, keeps ``scale``.
 
     Example::
 
@@ -98,14 +124,16 @@ def held_window_scale(
         1.0
         >>> held_window_scale("sqrt", 2.0, held_batch=8, full_batch=32, base_batch_size=8)
         1.0
-        >>> held_window_scale("linear", 2.0, held_batch=24, full_batch=32, base_batch_size=8, max_scale=2.0)
-        2.0
+        >>> held_window_scale("linear", 2.0, held_batch=24, full_batch=32, base_batch_size=8, max_scale=2.0)  # 2 x 3/4
+        1.5
         >>> held_window_scale("linear", 1.5, held_batch=16, full_batch=32, base_batch_size=8)  # warming up to 4
         1.5
     """
     if rule == "none" or held_batch >= full_batch:
         return scale
-    held = lr_scale(rule, held_batch, base_batch_size)
+    held, full = lr_scale(rule, held_batch, base_batch_size), lr_scale(rule, full_batch, base_batch_size)
+    if max_scale is not None and full > max_scale:  # past the cap: the full window's decay, kept
+        return scale * held / full
     return min(scale, held if max_scale is None else min(held, max_scale))
 
 

@@ -14,7 +14,7 @@ if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-from tests.helpers import start_launches, stop_launches  # noqa: E402  (after the thread count: it keeps the environment)
+from tests.helpers import LAUNCH_SECONDS, start_launches, stop_launches  # noqa: E402  (after the thread count: it keeps the environment)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,3 +25,13 @@ def _launches_ahead(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     )
     yield
     stop_launches()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The launches run ahead, slowest first, with their wall time beside the tests: where the suite's time goes."""
+    if not LAUNCH_SECONDS:
+        return
+    terminalreporter.section("launches run ahead (wall seconds, beside the tests)")
+    for (module, name), seconds in sorted(LAUNCH_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:7.1f} s  {module}::{name}")
+    terminalreporter.write_line(f"{sum(LAUNCH_SECONDS.values()):7.1f} s  in all")

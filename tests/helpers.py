@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -343,6 +344,7 @@ def launch_ranks(script: Path, out: Path, *args: str, limit: int = 300) -> Path:
 
 
 _LAUNCHES: dict[tuple[str, str], Callable[[Path], Any]] = {}  # (module, fixture name) -> launch
+LAUNCH_SECONDS: dict[tuple[str, str], float] = {}  # (module, fixture name) -> wall seconds the launch took
 _STARTED: dict[tuple[str, str], Future[Any]] = {}
 _WAITING: list[tuple[tuple[str, str], Path]] = []  # started, not yet running: the next one first
 _LOCK = threading.Lock()
@@ -400,12 +402,15 @@ def _run_next(preferring: tuple[str, str] | None = None) -> bool:
             return False
         index = next((i for i, (key, _) in enumerate(_WAITING) if key == preferring), 0)
         key, folder = _WAITING.pop(index)
+    started = time.perf_counter()
     try:
         _STARTED[key].set_result(_LAUNCHES[key](folder))
     except BaseException as error:  # re-raised where the fixture asks for the result
         _STARTED[key].set_exception(error)
         if not isinstance(error, Exception):
             raise  # an interrupt stops the session, here too
+    finally:
+        LAUNCH_SECONDS[key] = time.perf_counter() - started
     return True
 
 

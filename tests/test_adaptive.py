@@ -256,6 +256,30 @@ def test_a_scale_past_the_bound_is_warned_once_and_capped_when_asked():
     assert capped.features["lr_scaling"]._scale == 2.0  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize(("scheduled_lr", "warned"), [(0.1, True), (0.025, False)])
+def test_without_a_bound_the_warning_reads_the_lr_used_where_the_schedule_stands(scheduled_lr, warned):
+    """A factor of 8 under the linear rule scales the LR by 8; where the LR schedule has already brought the LR down
+    to a quarter of the configured 0.1 (as Seesaw's doubled batches expect), the LR used stays at 2 x 0.1: no
+    warning. At the configured LR it is 8 x: warned."""
+    import warnings
+
+    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.features import LRScaling
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    optimizer.param_groups[0].update(initial_lr=0.1, lr=scheduled_lr)  # as an LR scheduler leaves them
+    features = Features([LRScaling("linear", base_batch_size=4)])
+    ctx = Context(micro_batch_size=4, optimizers=[optimizer], factor=8)
+    features.dispatch(Event.FIT_START, ctx)
+    ctx.window.open(8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        features.dispatch(Event.WINDOW_OPENED, ctx)
+    told = [str(w.message) for w in caught if "past 4: set lr_scale_max" in str(w.message)]
+    assert bool(told) is warned
+    features.dispatch(Event.FIT_END, ctx)
+
+
 def test_with_micro_batch_size_auto_the_factor_grows_and_the_steps_are_plain_pytorchs():
     """ "auto" splits a loader batch only after an out-of-memory error, so with no error a window of one loader batch
     has one gradient: adaptive growth must still measure it in halves (before, the factor stayed at 1 for the whole

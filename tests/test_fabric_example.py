@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.helpers import launch_environment, launched_ahead
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -95,3 +98,42 @@ def test_the_pretraining_example_trains_on_a_users_file_and_writes_every_run(fab
     (tmp_path / "short.txt").write_bytes(b"x" * 100)
     with pytest.raises(ValueError, match=r"at least 20000"):
         fabric_pretrain.main([*tiny, "--data", str(tmp_path / "short.txt")])
+
+
+TINY_RANKS = ["--tokens", "20000", "--corpus-bytes", "100000", "--width", "16", "--layers", "1", "--heads", "2"]
+
+
+def _two_processes(out: Path) -> dict:
+    """``--devices 2 --micro-batch 4`` as a user starts it: Fabric launches the second process (gloo), under a hard
+    timeout (`timeout -s KILL`: the launcher starts rank 1 as rank 0's child)."""
+    command = [sys.executable, str(EXAMPLES / "fabric_pretrain.py"), *TINY_RANKS, "--context", "32", "--seeds", "0"]
+    command += ["--devices", "2", "--micro-batch", "4", "--schedules", "seesaw", "--json", str(out / "runs.json")]
+    done = subprocess.run(
+        ["timeout", "-s", "KILL", "300", *command],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=launch_environment(),
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return {"printed": done.stdout, **json.loads((out / "runs.json").read_text())}
+
+
+two_processes = launched_ahead("two_processes", _two_processes)
+
+
+def test_on_two_processes_the_budget_is_spent_over_both_and_rank_zero_reports(two_processes, fabric_pretrain):
+    """Two ranks of 4 sequences take the steps one process of 8 takes on the same budget (20,000 tokens in global
+    batches of 8 x 32), Seesaw fewer; one table and one JSON, from rank zero."""
+    runs = two_processes["runs"]
+    assert [(run["seed"], run["schedule"]) for run in runs] == [(0, "small"), (0, "seesaw")]
+    small, seesaw = (run["steps"] for run in runs)
+    assert small == -(-20000 // (8 * 32))
+    assert small / 2 < seesaw < small
+    assert two_processes["args"]["devices"] == 2
+    printed = two_processes["printed"].splitlines()
+    assert sum(line.startswith("| 0 | small | ") for line in printed) == 1  # rank 1 prints nothing
+    assert sum(line.startswith("| small | ") for line in printed) == 1
+    assert "micro-batches of 4 x 32 bytes on each of 2 processes" in two_processes["printed"]
+    one = fabric_pretrain.main([*TINY_RANKS, "--context", "32", "--seeds", "0", "--schedules", "small"])
+    assert one[0]["steps"] == small

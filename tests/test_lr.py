@@ -120,6 +120,24 @@ def test_a_short_last_window_steps_at_the_lr_of_the_batch_it_holds(rule, full, h
     assert max_deviation(weights(model), _reference(x, y, 4, [[4, 4, 2]] * 2, expected)) <= 1e-6
 
 
+@pytest.mark.parametrize(("rule", "cap", "held"), [("linear", 2.0, 1.0), ("sqrt", 1.5, 1.5 / math.sqrt(2))])
+@pytest.mark.parametrize("sized", [True, False], ids=["sized", "unknown length"])
+def test_past_lr_scale_max_a_short_window_keeps_the_full_windows_decay(rule, cap, held, sized):
+    """The same windows of 16, 16 and 8 samples with the scale capped below the rule's at 16: the full windows step
+    at the cap, and the short one at the cap times the rule's ratio of 8 samples to 16 (the full window's rate per
+    sample under the linear rule), not at the rule's own scale at 8 samples, which would be the run's largest rate
+    per sample on its noisiest step."""
+    x, y = make_data(40)
+    spy = MeasuredLR()
+    callback = AccumulationScheduler({0: 4}, lr_scaling=rule, base_batch_size=4, micro_batch_size=4, lr_scale_max=cap)
+    data = loader(x, y, 4) if sized else torch.utils.data.DataLoader(BatchStream(x, y, 4), batch_size=None)
+    model = RegressionModule()
+    trainer([callback, spy], max_epochs=2, precision="64-true").fit(model, data)
+    expected = [0.1 * scale for scale in (cap, cap, held)] * 2
+    assert used(spy) == pytest.approx(expected, rel=1e-9)
+    assert max_deviation(weights(model), _reference(x, y, 4, [[4, 4, 2]] * 2, expected)) <= 1e-6
+
+
 def test_several_param_groups_keep_their_ratio_and_the_scheduler_value_is_untouched():
     class TwoGroups(RegressionModule):
         def configure_optimizers(self):

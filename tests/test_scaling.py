@@ -95,7 +95,9 @@ def test_lbfgs_which_reads_its_lr_before_the_closure_steps_with_the_scaled_lr():
         ("sqrt", 2.0, 8, 32, None, 1.0),
         ("linear", 4.0, 16, 32, None, 2.0),
         ("linear", 4.0, 32, 32, None, 4.0),  # a full window keeps the factor's scale
-        ("linear", 2.0, 24, 32, 2.0, 2.0),  # the cap holds both: the held batch's 3 is capped at 2
+        ("linear", 2.0, 24, 32, 2.0, 1.5),  # past the cap (the full batch's 4 held at 2): 2 x 24 / 32
+        ("sqrt", 2.0, 16, 64, 2.0, 1.0),  # the full batch's 2.83 held at 2: 2 x sqrt(16 / 64)
+        ("linear", 4.0, 16, 32, 4.0, 2.0),  # the cap not reached: the rule at the held batch
         ("linear", 1.5, 16, 32, None, 1.5),  # a warmup rising to 4 keeps its value below the held batch's 2
         ("linear", 6.0, 16, 32, None, 2.0),  # a warmup coming down from 8 to 4: the held batch's 2
         ("none", 1.0, 8, 32, None, 1.0),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import lightning_accum
 from lightning_accum import AccumulationScheduler, SampleDrivenLR
 from lightning_accum.events import Context, Event, Features, Run
 from lightning_accum.fabric import Accumulator
-from lightning_accum.features import AdaptiveGrowth
+from lightning_accum.features import AdaptiveGrowth, Seesaw
 from lightning_accum.noise import NoiseReading, NoiseScaleEstimate
 from lightning_accum.schedule import Schedule
 from lightning_accum.seesaw import decay_ratios, growth_bound, planned_steps, seesaw_schedule, steps_ratio
@@ -267,16 +268,66 @@ def test_a_run_bounded_by_max_steps_is_told_its_lr_schedule_ends_early():
         run.fit(HalvingAdamW(), DataLoader(TensorDataset(x, y), batch_size=MICRO))
 
 
-def test_the_summary_says_where_the_factor_doubles_and_a_batch_past_the_noise_scale_is_warned(caplog):
+def test_the_summary_says_where_the_factor_doubles(caplog):
     x, y = make_data(SAMPLES)
     callback = AccumulationScheduler(seesaw=True, lr_scaling="sqrt", noise_scale=True, noise_scale_interval=1)
-    with (
-        caplog.at_level("INFO"),
-        pytest.warns(UserWarning, match=r"Seesaw's batch at factor \d+ \(\d+ samples\) outgrows the measured noise"),
-    ):
+    with caplog.at_level("INFO"):
         trainer([callback], max_epochs=1).fit(HalvingAdamW(), DataLoader(TensorDataset(x, y), batch_size=MICRO))
     assert "seesaw: factor 1 -> 2 at 25% of the samples, -> 4 at 50%, -> 8 at 75%" in caplog.text
     assert f"0.47 x the optimizer steps of factor 1 throughout, {len(WINDOWS)} planned" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("noise_scale", "measurements", "warned"),
+    [
+        (100.0, 8.0, True),  # 8 x 32 samples, well past a noise scale of 100 known within a few percent
+        (100.0, 1.0, False),  # one measurement: no bound to be sure of
+        (1000.0, 8.0, False),  # the batch stays under the noise scale
+    ],
+)
+def test_a_batch_past_the_noise_scales_upper_bound_is_warned_once(noise_scale, measurements, warned):
+    optimizer = torch.optim.AdamW([nn.Parameter(torch.zeros(1))], lr=1e-3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
+    driven = SampleDrivenLR(cosine, steps=100, total=6400)
+    driven.attach(lambda: 0.0, steps=100, total=6400)
+    features = Features([Seesaw(max_factor=8)])
+    ctx = Context(micro_batch_size=32, run=_Cosine(driven), schedule=Schedule.constant(1))
+    features.dispatch(Event.FIT_START, ctx)
+    estimate = NoiseScaleEstimate(
+        1.0, noise_scale, noise_scale, measurements, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0
+    )
+    ctx.noise = NoiseReading(estimate, 32.0, 1, 1)
+    ctx.samples_seen = 6000  # past the cosine's third halving: factor 8
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):  # three windows: at most one warning
+            features.dispatch(Event.WINDOW_OPENING, ctx)
+    assert ctx.factor == 8
+    told = [str(w.message) for w in caught if "outgrows the measured noise scale" in str(w.message)]
+    assert len(told) == int(warned)
+    if warned:
+        assert "Seesaw's batch at factor 8 (256 samples) outgrows the measured noise scale (at most 10" in told[0]
+
+
+@pytest.mark.parametrize(("cap", "warned"), [(4.0, True), (8.0, False), (None, False)])
+def test_seesaw_past_the_factor_lr_scale_max_allows_is_warned(cap, warned):
+    """Under the linear rule a cap of 4 stops the scale at factor 4: Seesaw's doubling to 8 would halve the LR
+    besides the schedule's halving. A cap of 8 (or none) gives back every halving."""
+    from lightning_accum.features import LRScaling
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    driven = SampleDrivenLR(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100), steps=100, total=6400)
+    driven.attach(lambda: 0.0, steps=100, total=6400)
+    features = Features([LRScaling("linear", base_batch_size=32, max_scale=cap), Seesaw(8, "linear")])
+    ctx = Context(micro_batch_size=32, run=_Cosine(driven), schedule=Schedule.constant(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        features.dispatch(Event.FIT_START, ctx)
+    told = [str(w.message) for w in caught if "lr_scale_max stops" in str(w.message)]
+    assert len(told) == int(warned)
+    if warned:
+        assert "Seesaw's factor reaches 8, but lr_scale_max stops the LR rule's scale at factor 4" in told[0]
+        assert "seesaw_max_factor=4" in told[0]
 
 
 # ------------------------------------------------------------------ adaptive growth held to the LR schedule
@@ -343,6 +394,38 @@ def test_far_below_the_noise_scale_growth_passes_the_lr_schedules_bound_up_to_a_
     assert growth.bound is not None
     assert growth.bound.factor_at(20_000) == 1
     assert max(factors) == 12
+
+
+@pytest.mark.parametrize(
+    ("noise_scale", "scheduled", "expected"),
+    [
+        (100.0, True, 4),  # past the cosine's halvings the schedule allows 8, the cap stops the rule's scale at 4
+        (1000.0, True, 12),  # a tenth of 1,000 samples is 12 micro-batches of 8: growth past the cap costs little
+        (100.0, False, 12),  # a constant rate: growth is its only decay, the noise scale alone calls it (100 // 8)
+    ],
+)
+def test_past_lr_scale_max_a_scheduled_run_grows_only_to_a_tenth_of_the_noise_scale(noise_scale, scheduled, expected):
+    """Past the factor where lr_scale_max stops the linear rule's scale, a larger batch lowers the LR per sample on
+    top of the LR schedule's decay: under a schedule only a batch of at most a tenth of the noise scale passes it. At
+    a constant rate nothing else decays the LR, and growth follows the noise scale."""
+    from lightning_accum.features import LRScaling
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    driven = SampleDrivenLR(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100), steps=100, total=8000)
+    driven.attach(lambda: 0.0, steps=100, total=8000)
+    growth = AdaptiveGrowth(target=1.0, max_factor=16)
+    features = Features([LRScaling("linear", base_batch_size=8, max_scale=4), growth])
+    ctx = Context(micro_batch_size=8, run=_Cosine(driven) if scheduled else Run(), factor=1)
+    features.dispatch(Event.FIT_START, ctx)
+    assert ctx.lr_cap_factor == 4
+    sure = NoiseScaleEstimate(1.0, noise_scale, noise_scale, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)
+    for step in range(1, 300):
+        ctx.factor, ctx.optimizer_steps = 1, step - 1
+        ctx.noise = NoiseReading(sure, 8.0 * max(1, growth.factor), max(1, growth.factor), step, evidence=sure)
+        features.dispatch(Event.WINDOW_OPENING, ctx)
+        ctx.samples_seen = 7800  # near the cosine's end, where its own bound is 8 and more
+    assert growth.bound is None or growth.bound.factor_at(7800) >= 8
+    assert growth.factor == expected
 
 
 def _positions(factors: list[int]) -> list[int]:

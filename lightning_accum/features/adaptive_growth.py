@@ -8,9 +8,10 @@ for the factor the evidence calls for: it grows, at most doubling, to the larges
 every rank opens the window with the same factor. The factor in force is the larger of the schedule's and the
 adaptive one.
 
-Reads ``ctx.noise`` (published by the noise scale, which checkpoints the evidence it comes from), and at ``FIT_START``
+Reads ``ctx.noise`` (published by the noise scale, which checkpoints the evidence it comes from), at ``FIT_START``
 ``ctx.run.max_steps``, ``ctx.run.lr_schedulers`` and ``ctx.planned_steps`` (to warn a run bounded by ``max_steps``
-whose LR schedule is moved by samples); raises ``ctx.factor`` and publishes ``ctx.factor_floor`` at ``FIT_START`` and
+whose LR schedule is moved by samples), and at ``WINDOW_OPENING`` ``ctx.lr_cap_factor`` (published by LR scaling,
+registered after it, at ``FIT_START``); raises ``ctx.factor`` and publishes ``ctx.factor_floor`` at ``FIT_START`` and
 ``WINDOW_OPENING``; adds its line to ``ctx.summary`` and its bounds to ``ctx.metrics``.
 """
 
@@ -44,9 +45,11 @@ class AdaptiveGrowth(Feature):
         shrink: Whether the factor may come down again (never below the schedule's).
         lr_bound: Hold the factor, where the run has one :class:`~lightning_accum.SampleDrivenLR`, to the first
             window's factor times the LR schedule's peak so far over its current LR
-            (:func:`~lightning_accum.seesaw.growth_bound`), or past it to a batch of at most a tenth of the noise
-            scale (:func:`~lightning_accum.adaptive.budget_bound`): on a fixed budget a larger batch pays where the
-            schedule would have lowered the LR as much, or where it costs at most a tenth more examples.
+            (:func:`~lightning_accum.seesaw.growth_bound`), never past the factor where ``lr_scale_max`` stops the LR
+            rule (``ctx.lr_cap_factor``), or beyond to a batch of at most a tenth of the noise scale
+            (:func:`~lightning_accum.adaptive.budget_bound`): on a fixed budget a larger batch pays where the schedule
+            would have lowered the LR as much and the rule raises it with the batch, or where it costs at most a tenth
+            more examples. A run at a constant LR is not held: growth is its only decay.
 
     Raises:
         TypeError: If ``max_factor`` is not an integer, or ``shrink`` or ``lr_bound`` not a bool.
@@ -109,10 +112,10 @@ class AdaptiveGrowth(Feature):
             )
         shrinks = ", shrinking too" if self.policy.shrink else ""
         bounded = ""
-        if self.lr_bound and any(isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers):
+        if self.lr_bound and sum(isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers) == 1:
             bounded = (
-                ", held to the first factor x the LR schedule's peak over its current LR, or past it to a tenth of the"
-                " noise scale"
+                ", held to the first factor x the LR schedule's peak over its current LR (and lr_scale_max's factor),"
+                " or past it to a tenth of the noise scale"
             )
         ctx.summary.append(
             f"adaptive: batch up to {self.policy.target:g} x the noise scale's lower bound (confidence"
@@ -162,10 +165,18 @@ class AdaptiveGrowth(Feature):
         self._apply(ctx)
 
     def _bound_at(self, ctx: Context) -> int:
-        """The largest factor the LR schedule allows at the run's position (no bound: ``max_factor``)."""
+        """The largest factor the LR schedule allows at the run's position, never past the LR cap.
+
+        Past ``lr_scale_max`` the rule no longer raises the LR with the batch, so growth there lowers the LR per
+        sample on top of the schedule's own decay: only the noise scale's free share
+        (:func:`~lightning_accum.adaptive.budget_bound`) may take the factor further. A run without an LR schedule
+        (``bound`` is ``None``: a constant rate) has no decay but what growth past the cap makes, which the noise scale
+        calls for once the steps are mostly noise: nothing but ``max_factor`` bounds it there.
+        """
         if self.bound is None:
             return self.policy.max_factor
-        return self.bound.factor_at(ctx.tokens_seen if self.bound.unit == "token" else ctx.samples_seen)
+        bound = self.bound.factor_at(ctx.tokens_seen if self.bound.unit == "token" else ctx.samples_seen)
+        return bound if ctx.lr_cap_factor is None else min(bound, ctx.lr_cap_factor)
 
     def _apply(self, ctx: Context) -> None:
         ctx.factor, ctx.factor_floor = max(ctx.factor, self.factor), max(1, self.factor)
@@ -235,8 +246,8 @@ def _decision_line(ctx: Context, current: int, decision: Decision, per_factor: f
         calls = f"calls for factor {decision.called}"
         if decision.held is not None and decision.held < min(decision.called, 2 * current):
             calls += (
-                f", held to {decision.held} by the budget (the LR schedule's peak over its current LR, or a batch of at"
-                " most a tenth of the noise scale)"
+                f", held to {decision.held} by the budget (the LR schedule's peak over its current LR and the LR cap,"
+                " or a batch of at most a tenth of the noise scale)"
             )
         elif decision.called > decision.factor:
             calls += ", taken a doubling at a time, each on fresh evidence"

@@ -11,7 +11,7 @@ logged.
 ``accum/lr`` is the learning rate the step really used, read just before the step (after the window's last backward,
 before the LR scheduler moves on), scale included; with several param groups of different rates each has its own
 ``accum/lr_group_<i>``. Adds the configured LR and its scaling to the run's summary, and a phrase whenever the scale's
-target changes.
+target changes. Publishes ``ctx.lr_cap_factor`` at ``FIT_START`` (where ``lr_scale_max`` stops the scale).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from lightning_accum.scaling import (
     SCALE_WARNING,
     ScaledStep,
     ScaleWarmup,
+    cap_factor,
     check_max_scale,
     check_rule,
     held_window_scale,
@@ -44,7 +45,8 @@ class LRScaling(Feature):
             the effective batch of the first window. Kept in the checkpoint, so a resumed run keeps its base.
         warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
         max_scale: The largest scale (``lr_scale_max``): the rule's scale is capped there, with a warning the first
-            time; ``None``: no cap, and a warning the first time the scale passes :data:`SCALE_WARNING` (4).
+            time; ``None``: no cap, and a warning the first time the scaled LR passes :data:`SCALE_WARNING` (4) times
+            the configured one (the scale times the LR schedule's LR over the configured LR).
         beta2: Keep Adam's ``beta2`` half-life fixed in samples (or tokens) as the batch changes
             (``beta2_follows_batch``): each update uses ``beta2 ** (batch / base_batch_size)`` (Marek et al. 2025),
             logged as ``accum/beta2``; the param groups keep their own ``betas`` outside the update.
@@ -111,13 +113,14 @@ class LRScaling(Feature):
         # the rule "none" keeps the scale at 1 (nothing to apply around the optimizers' steps), unless a checkpoint's
         # warmup still moves it from another rule's value
         scales = self.rule != "none" or self._warmup.start != 1.0 or self._warmup.target != 1.0 or self.beta2
+        assert self.base_batch_size is not None, "resolved above"
+        ctx.lr_cap_factor = cap_factor(self.rule, self.max_scale, self.base_batch_size, ctx.effective_batch(1))
         power = self._current_power if self.beta2 else None
         if self.beta2:
             _check_betas(ctx)
         self._scaled_steps = [ScaledStep(o, self._current_scale, power) for o in ctx.optimizers if scales]
         if ctx.optimizers:
             lr = _configured_lr(ctx.optimizers[0])
-            assert self.base_batch_size is not None
             ctx.summary.append(lr_summary(lr, self.rule, ctx.effective_batch(ctx.factor), self.base_batch_size))
             if self.beta2:
                 ctx.summary.append(f"beta2 ** (batch / {self.base_batch_size:g}): its half-life kept in samples")
@@ -157,9 +160,15 @@ class LRScaling(Feature):
         return held_window_scale(self.rule, scale, held, full, self.base_batch_size, self.max_scale)
 
     def _bounded(self, scale: float, ctx: Context) -> float:
-        """``scale`` within ``max_scale``; the first scale past the bound (or past :data:`SCALE_WARNING`) is told."""
+        """``scale`` within ``max_scale``; the first scale past the bound is told.
+
+        Without a bound, the first LR past :data:`SCALE_WARNING` times the configured one is told: the scale times
+        where the LR schedule stands (its LR over the configured one), so that a batch grown where the schedule decays
+        (Seesaw, growth held to the budget), which keeps the LR at or below its peak, is not.
+        """
         bound = self.max_scale if self.max_scale is not None else SCALE_WARNING
-        if scale > bound and not self._warned:
+        used = scale if self.max_scale is not None else scale * _schedule_ratio(ctx)
+        if used > bound and not self._warned:
             self._warned = True
             batch = ctx.effective_batch(ctx.factor)
             if self.max_scale is not None:
@@ -241,6 +250,17 @@ def _check_betas(ctx: Context) -> None:
                 f" {type(optimizer).__name__} has param groups without two `betas`: use it with Adam, AdamW (or another"
                 " optimizer with `betas`), or leave beta2_follows_batch=False"
             )
+
+
+def _schedule_ratio(ctx: Context) -> float:
+    """Where the LR schedules stand: the largest param group's LR over the one it was configured with (1: none)."""
+    ratios = [
+        float(group["lr"]) / float(group["initial_lr"])
+        for optimizer in ctx.optimizers
+        for group in optimizer.param_groups
+        if isinstance(group.get("initial_lr"), (int, float)) and group["initial_lr"] > 0
+    ]
+    return max(ratios, default=1.0)
 
 
 def _configured_lr(optimizer: Any) -> float:

@@ -7,12 +7,13 @@ at each halving of the LR below its peak, up to ``max_factor``; the LR rule (``l
 of each halving (``sqrt(2)`` under ``"sqrt"``, all of it under ``"linear"``). Every rank takes rank zero's factor
 schedule, which is kept in the checkpoint, so a resumed run goes on with the factors it started with. At each
 ``WINDOW_OPENING`` it raises ``ctx.factor`` to the schedule's factor at the run's position; with the noise scale on,
-it warns once when that batch outgrows the measured noise scale, where Seesaw's trade no longer holds.
+it warns once when that batch outgrows the measured noise scale's upper bound (90% confident, once three measurements
+stand behind it), where Seesaw's trade no longer holds.
 
 Reads ``ctx.run.lr_schedulers`` (attached by the sample-driven schedules, registered before it), ``ctx.schedule``,
-``ctx.samples_seen``, ``ctx.tokens_seen``, ``ctx.planned_samples``, ``ctx.samples_per_micro_step`` and ``ctx.noise``;
-sets ``ctx.planned_steps`` at ``FIT_START`` (the steps at Seesaw's factors) and raises ``ctx.factor`` at
-``WINDOW_OPENING``; adds its line to ``ctx.summary``.
+``ctx.samples_seen``, ``ctx.tokens_seen``, ``ctx.planned_samples``, ``ctx.samples_per_micro_step``, ``ctx.noise`` and
+``ctx.lr_cap_factor`` (published by LR scaling, registered before it); sets ``ctx.planned_steps`` at ``FIT_START``
+(the steps at Seesaw's factors) and raises ``ctx.factor`` at ``WINDOW_OPENING``; adds its line to ``ctx.summary``.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_accum.adaptive import MIN_MEASUREMENTS
 from lightning_accum.events import Context, Feature
+from lightning_accum.noise import NoiseScaleEstimate
 from lightning_accum.sample_driven_lr import SampleDrivenLR
 from lightning_accum.schedule import Schedule, plan_run
 from lightning_accum.seesaw import planned_steps, seesaw_schedule, steps_ratio
+
+WARN_CONFIDENCE = 0.9
+"""The one-sided confidence that the batch outgrew the noise scale before Seesaw warns of it."""
 
 
 class Seesaw(Feature):
@@ -90,6 +96,13 @@ class Seesaw(Feature):
         if self.planned_steps is not None:
             ctx.planned_steps = self.planned_steps
         ctx.summary.append(_summary(self.schedule, driven, self.rule, self.planned_steps))
+        cap = ctx.lr_cap_factor
+        if cap is not None and self.rule != "none" and self.schedule.max_factor > cap:
+            rank_zero_warn(
+                f"{ctx.run.owner}: Seesaw's factor reaches {self.schedule.max_factor}, but lr_scale_max stops the LR"
+                f" rule's scale at factor {cap}: past it each doubling of the batch halves the LR as well, twice the"
+                f" schedule's decay. Raise lr_scale_max, or give seesaw_max_factor={cap}"
+            )
         if self.rule == "none":
             rank_zero_warn(
                 f"{ctx.run.owner}: seesaw=True with lr_scaling='none' doubles the batch where the LR schedule halves"
@@ -103,18 +116,19 @@ class Seesaw(Feature):
         position = ctx.tokens_seen if self.schedule.unit == "token" else ctx.samples_seen
         ctx.factor = max(ctx.factor, self.schedule.factor_at(int(position)))
         reading = ctx.noise
-        if self._warned or reading is None or reading.estimate.noise_scale is None:
+        if self._warned or reading is None:
             return
-        per_factor, noise_scale = reading.items / max(1, reading.micro_steps), reading.estimate.noise_scale
-        if ctx.factor * per_factor > noise_scale:
+        per_factor, high = reading.items / max(1, reading.micro_steps), _upper_bound(reading.estimate)
+        if high is not None and ctx.factor * per_factor > high:
             self._warned = True
             unit = "tokens" if self.schedule.unit == "token" else "samples"
             rank_zero_warn(
                 f"{ctx.run.owner}: Seesaw's batch at factor {ctx.factor} ({ctx.factor * per_factor:.0f} {unit})"
-                f" outgrows the measured noise scale ({noise_scale:.0f}) from optimizer step {ctx.optimizer_steps}:"
-                " past the critical batch a doubled batch no longer stands for a halved LR (Meterez et al. 2025), and"
-                f" the run may lose to its LR schedule as given. seesaw_max_factor={self.max_factor}; the noise scale"
-                f" calls for at most {max(1, math.floor(noise_scale / per_factor))}"
+                f" outgrows the measured noise scale (at most {high:.0f}, {WARN_CONFIDENCE:.0%} confident) from"
+                f" optimizer step {ctx.optimizer_steps}: past the critical batch a doubled batch no longer stands for a"
+                " halved LR (Meterez et al. 2025), and the run may lose to its LR schedule as given."
+                f" seesaw_max_factor={self.max_factor}; the noise scale calls for at most"
+                f" {max(1, math.floor(high / per_factor))}"
             )
 
     @override
@@ -131,6 +145,20 @@ class Seesaw(Feature):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         points = state.get("points")
         self.schedule = None if not points else Schedule(tuple((int(p), int(f)) for p, f in points), state["unit"])
+
+
+def _upper_bound(estimate: NoiseScaleEstimate) -> float | None:
+    """The noise scale's upper bound at :data:`WARN_CONFIDENCE`, once the estimate stands on enough measurements.
+
+    ``None`` before :data:`~lightning_accum.adaptive.MIN_MEASUREMENTS` measurements, where the bound is infinite (the
+    gradient may be 0) and where the measurements contradict each other: nothing to warn on.
+    """
+    if estimate.measurements < MIN_MEASUREMENTS:
+        return None
+    bounds = estimate.interval(WARN_CONFIDENCE)
+    if bounds is None or not 0 < bounds[1] < math.inf:
+        return None
+    return bounds[1]
 
 
 def _driven(ctx: Context) -> SampleDrivenLR:
