@@ -4,7 +4,7 @@
     PYTHONPATH=/path/to/other/checkout python benchmarks/adaptive_tasks.py --label before   # another version
     python benchmarks/adaptive_tasks.py --max-factor 8 --seeds 100 101 102 103   # growth to at most 8
     python benchmarks/adaptive_tasks.py --shell fabric --seeds 200 201 202 203      # a Fabric loop's Accumulator
-    python benchmarks/adaptive_tasks.py --interval 2 --runs adaptive unbounded      # every 2nd window; bound on/off
+    python benchmarks/adaptive_tasks.py --interval 2 --max-factor 8                 # every 2nd window measured
 
 Each task trains one model twice per seed on the same samples in the same order: at factor 1 throughout (``fixed``),
 and with ``AccumulationScheduler(noise_scale=True, adaptive=True, adaptive_max_factor=16)`` from factor 1
@@ -25,8 +25,7 @@ Tasks (micro-batches of 8, nothing shared between seeds but the task's definitio
   into 10 classes, 20% of the labels replaced at random; a two-layer student of width 64, Adam at 1e-3 and the
   square-root rule; held-out cross-entropy on 8,192 fresh samples of the same teacher.
 
-``--interval N`` measures every N-th window (``noise_scale_interval``, 10 by default); ``--runs adaptive unbounded``
-adds, beside adaptive growth as shipped, the same with ``adaptive_lr_bound=False``, each against the same fixed run.
+``--interval N`` measures every N-th window (``noise_scale_interval``, 10 by default).
 ``--shell fabric`` trains the same model, data and order in a Lightning Fabric loop through
 ``lightning_accum.fabric.Accumulator`` with the same arguments, instead of the Trainer. Runs go to subprocesses,
 ``--jobs`` at a time with one thread each.
@@ -116,9 +115,8 @@ def run(
 
     pl.seed_everything(seed, verbose=False)
     options: dict[str, Any] = {}
-    if name != "fixed":  # "unbounded": adaptive growth with the budget's bound off (adaptive_lr_bound=False)
+    if name == "adaptive":
         options = {**ADAPTIVE, "adaptive_max_factor": max_factor, "noise_scale_interval": interval}
-        options["adaptive_lr_bound"] = name == "adaptive"
     shuffle = torch.Generator().manual_seed(seed)
     train = DataLoader(TensorDataset(*data(samples, seed)), batch_size=MICRO, shuffle=True, generator=shuffle)
     if shell == "fabric":
@@ -138,7 +136,7 @@ def run(
     x, y = data(8192, 10_000 + seed)
     with torch.no_grad():
         held_out = float(loss_fn(model.net(x), y))
-    factor = callback.features["adaptive"].factor if name != "fixed" else 1  # type: ignore[attr-defined]
+    factor = callback.features["adaptive"].factor if name == "adaptive" else 1  # type: ignore[attr-defined]
     return {"steps": trainer.global_step, "loss": held_out, "factor": max(1, factor)}
 
 
@@ -185,13 +183,6 @@ def main() -> None:
     parser.add_argument("--max-factor", type=int, default=16, help="adaptive_max_factor")
     parser.add_argument("--shell", choices=["trainer", "fabric"], default="trainer", help="the Trainer or Fabric")
     parser.add_argument("--interval", type=int, default=10, help="noise_scale_interval")
-    parser.add_argument(
-        "--runs",
-        nargs="+",
-        choices=["adaptive", "unbounded"],
-        default=["adaptive"],
-        help="besides fixed: adaptive growth as shipped, and/or with adaptive_lr_bound=False",
-    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
@@ -204,20 +195,18 @@ def main() -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     seeds = {task: args.seeds or TASKS[task][1] for task in args.tasks}
-    runs = ["fixed", *args.runs]
-    jobs = [(task, name, seed) for task in args.tasks for seed in seeds[task] for name in runs]
+    jobs = [(task, name, seed) for task in args.tasks for seed in seeds[task] for name in ("fixed", "adaptive")]
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: launch(*job, args.max_factor, args.shell, args.interval), jobs))
     rows = []
-    for task, kind in [(task, kind) for task in args.tasks for kind in args.runs]:
+    for task in args.tasks:
         fixed = {r["seed"]: r for r in results if r["task"] == task and r["run"] == "fixed"}
-        adaptive = [r for r in results if r["task"] == task and r["run"] == kind]
+        adaptive = [r for r in results if r["task"] == task and r["run"] == "adaptive"]
         steps = [r["steps"] / fixed[r["seed"]]["steps"] for r in adaptive]
         losses = [r["loss"] / fixed[r["seed"]]["loss"] for r in adaptive]
         rows.append(
             {
                 "task": task,
-                "run": kind,
                 "seeds": [r["seed"] for r in adaptive],
                 "steps_ratio": steps,
                 "loss_ratio": losses,
@@ -233,13 +222,11 @@ def main() -> None:
         " (mean +- s.e.) | worst seed | final factors |"
     )
     print("| --- | --- | ---: | ---: | ---: | --- |")
-    label = len(args.runs) > 1
     for row in rows:
         ratios = row["loss_ratio"]
         error = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else 0.0
-        name = f"{row['task']} ({row['run']})" if label else row["task"]
         print(
-            f"| {name} | {len(ratios)} | {statistics.mean(row['steps_ratio']):.2f} |"
+            f"| {row['task']} | {len(ratios)} | {statistics.mean(row['steps_ratio']):.2f} |"
             f" {statistics.mean(ratios):.4f} +- {error:.4f} | {max(ratios):.4f} | {row['final_factors']} |"
         )
     kept = all(statistics.mean(r["loss_ratio"]) <= 1.01 and statistics.mean(r["steps_ratio"]) <= 0.5 for r in rows)

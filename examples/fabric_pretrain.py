@@ -24,7 +24,8 @@ micro-batches:
 ``--data FILE`` trains on any text or bytes file instead (its last tenth held out); ``--beta2-follows-batch`` keeps
 AdamW's ``beta2`` half-life fixed in tokens as the batch grows (``beta2 ** factor``, Marek et al. 2025);
 ``--devices N`` trains every run on N CPU processes (DDP over gloo, each rank its own shard of the data, the
-micro-batch per process, the token budget over all of them).
+micro-batch per process, the token budget over all of them; Fabric starts the other processes by running the
+script again with its command line, so use it from the command line, not through ``main(argv)``).
 
 The peak LR (8e-3) is the small batch's best of 2e-3, 4e-3, 8e-3 and 1.6e-2. A larger batch gets a larger LR by the
 linear rule from one micro-batch's batch (``lr_scaling="linear"``: on this model it beat the square-root rule for
@@ -74,6 +75,9 @@ class CycleIterator:
 
     def __iter__(self) -> Iterator[Any]:
         while True:
+            sampler = getattr(self.iterable, "sampler", None)
+            if hasattr(sampler, "set_epoch"):  # a DistributedSampler (--devices N): another order each round
+                sampler.set_epoch(self.epoch)
             yield from self.iterable
             self.epoch += 1
 
@@ -90,14 +94,14 @@ def warmup_then_cosine(warmup: int, steps: int) -> Any:
     return factor
 
 
-def options(schedule: str, args: argparse.Namespace) -> dict[str, Any]:
+def options(schedule: str, args: argparse.Namespace, world_size: int = 1) -> dict[str, Any]:
     """The Accumulator's arguments for one batch-size schedule (the rest is the same for every run)."""
     if schedule == "small":
         return {"scheduling": {0: 1}}
     if schedule == "large":
         return {"scheduling": {0: args.max_factor}}
     if schedule == "ramp":  # global batches in sequences; the ramp's length in tokens (unit="token")
-        batch = args.micro_batch
+        batch = args.micro_batch * world_size  # one micro-step on every rank
         return {
             "target_batch_size": batch * args.max_factor,
             "ramp_start_batch_size": batch,
@@ -145,7 +149,7 @@ def train(
         base_batch_size=args.micro_batch * fabric.world_size,
         beta2_follows_batch=args.beta2_follows_batch,  # AdamW's beta2 half-life kept in tokens as the batch grows
         log_metrics=False,
-        **options(schedule, args),
+        **options(schedule, args, fabric.world_size),
     )
     start = time.perf_counter()
     for batch in accumulator.batches(CycleIterator(loader), max_tokens=args.tokens):
@@ -162,7 +166,7 @@ def train(
     accumulator.close()
     model.eval()
     total, count = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad():  # every rank evaluates its identical weights on the whole held-out tenth
         for inputs, targets in DataLoader(data[1], batch_size=64):
             total += float(F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum"))
             count += targets.numel()

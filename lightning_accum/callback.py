@@ -70,8 +70,7 @@ class AccumulationScheduler(Callback):
         lr_scaling: ``"none"``, ``"linear"`` or ``"sqrt"``: the LR times ``effective / base`` or its root, in steps.
         base_batch_size: The global batch at which the LR was tuned; by default the first window's effective batch.
         lr_warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
-        lr_scale_max: The largest LR scale, warned of when first passed; ``None``: no cap, and a warning when the
-            scaled LR first passes 4 times the configured one (where the LR schedule stands included).
+        lr_scale_max: The largest LR scale, warned of when first passed; ``None``: no cap, warned past 4x the peak LR.
         beta2_follows_batch: Adam's ``beta2 ** (batch / base)`` in each update: its half-life kept in samples.
         normalize_by: A micro-batch weighs the same (``"micro_batch"``) or its items (``"sample"``, ``"token"``).
         token_key: Where ``"token"`` finds the labels: a mapping key or a tuple position.

@@ -115,8 +115,8 @@ def held_window_scale(
     smaller scale keeps its value. Past the cap (the rule's scale at ``full_batch`` above ``max_scale``) the factor's
     batch grew while its rate did not, as a decayed rate would: a short window keeps that decay, the factor's scale
     times the rule's ratio of the held batch to the full one (its rate per sample under the linear rule), where the
-    rule at the held batch alone would step the last, noisiest window of an epoch at up to twice the full window's
-    rate per sample. A full window, or the rule ``"none"``, keeps ``scale``.
+    rule at the held batch alone would step the last, noisiest window of an epoch at up to the factor over the cap's
+    factor times the full window's rate per sample. A full window, or the rule ``"none"``, keeps ``scale``.
 
     Example::
 

@@ -256,22 +256,33 @@ def test_a_scale_past_the_bound_is_warned_once_and_capped_when_asked():
     assert capped.features["lr_scaling"]._scale == 2.0  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("scheduled_lr", "warned"), [(0.1, True), (0.025, False)])
-def test_without_a_bound_the_warning_reads_the_lr_used_where_the_schedule_stands(scheduled_lr, warned):
-    """A factor of 8 under the linear rule scales the LR by 8; where the LR schedule has already brought the LR down
-    to a quarter of the configured 0.1 (as Seesaw's doubled batches expect), the LR used stays at 2 x 0.1: no
-    warning. At the configured LR it is 8 x: warned."""
+@pytest.mark.parametrize(
+    ("initial_lr", "scheduled_lr", "factor", "warned"),
+    [
+        (0.1, 0.1, 8, True),  # at the schedule's peak: 8 x
+        (0.1, 0.025, 8, False),  # the schedule has brought the LR to a quarter of its peak: 2 x
+        (0.004, 0.1, 2, False),  # a one-cycle schedule at its peak, 25 x its initial_lr: 2 x the peak, not 50 x
+        (0.004, 0.1, 8, True),  # the same at factor 8
+    ],
+)
+def test_without_a_bound_the_warning_reads_the_lr_used_where_the_schedule_stands(
+    initial_lr, scheduled_lr, factor, warned
+):
+    """The linear rule scales the LR by the factor; where the LR schedule has already brought the LR below its peak
+    (as Seesaw's doubled batches expect), the LR used is that much lower, and only an LR past 4 x the schedule's peak
+    is told. The peak is the highest of ``initial_lr`` and the LRs seen: a one-cycle schedule rises past its
+    ``initial_lr``."""
     import warnings
 
     from lightning_accum.events import Context, Event, Features
     from lightning_accum.features import LRScaling
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    optimizer.param_groups[0].update(initial_lr=0.1, lr=scheduled_lr)  # as an LR scheduler leaves them
+    optimizer.param_groups[0].update(initial_lr=initial_lr, lr=scheduled_lr)  # as an LR scheduler leaves them
     features = Features([LRScaling("linear", base_batch_size=4)])
-    ctx = Context(micro_batch_size=4, optimizers=[optimizer], factor=8)
+    ctx = Context(micro_batch_size=4, optimizers=[optimizer], factor=factor)
     features.dispatch(Event.FIT_START, ctx)
-    ctx.window.open(8)
+    ctx.window.open(factor)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         features.dispatch(Event.WINDOW_OPENED, ctx)

@@ -107,7 +107,8 @@ def _two_processes(out: Path) -> dict:
     """``--devices 2 --micro-batch 4`` as a user starts it: Fabric launches the second process (gloo), under a hard
     timeout (`timeout -s KILL`: the launcher starts rank 1 as rank 0's child)."""
     command = [sys.executable, str(EXAMPLES / "fabric_pretrain.py"), *TINY_RANKS, "--context", "32", "--seeds", "0"]
-    command += ["--devices", "2", "--micro-batch", "4", "--schedules", "seesaw", "--json", str(out / "runs.json")]
+    command += ["--devices", "2", "--micro-batch", "4", "--schedules", "ramp", "seesaw"]
+    command += ["--json", str(out / "runs.json")]
     done = subprocess.run(
         ["timeout", "-s", "KILL", "300", *command],
         capture_output=True,
@@ -124,10 +125,12 @@ two_processes = launched_ahead("two_processes", _two_processes)
 
 def test_on_two_processes_the_budget_is_spent_over_both_and_rank_zero_reports(two_processes, fabric_pretrain):
     """Two ranks of 4 sequences take the steps one process of 8 takes on the same budget (20,000 tokens in global
-    batches of 8 x 32), Seesaw fewer; one table and one JSON, from rank zero."""
+    batches of 8 x 32), the ramp (its global batches in steps of both ranks' micro-batches) and Seesaw fewer; one
+    table and one JSON, from rank zero."""
     runs = two_processes["runs"]
-    assert [(run["seed"], run["schedule"]) for run in runs] == [(0, "small"), (0, "seesaw")]
-    small, seesaw = (run["steps"] for run in runs)
+    assert [(run["seed"], run["schedule"]) for run in runs] == [(0, "small"), (0, "ramp"), (0, "seesaw")]
+    small, ramp, seesaw = (run["steps"] for run in runs)
+    assert ramp < small
     assert small == -(-20000 // (8 * 32))
     assert small / 2 < seesaw < small
     assert two_processes["args"]["devices"] == 2

@@ -311,8 +311,8 @@ def test_a_batch_past_the_noise_scales_upper_bound_is_warned_once(noise_scale, m
 
 @pytest.mark.parametrize(("cap", "warned"), [(4.0, True), (8.0, False), (None, False)])
 def test_seesaw_past_the_factor_lr_scale_max_allows_is_warned(cap, warned):
-    """Under the linear rule a cap of 4 stops the scale at factor 4: Seesaw's doubling to 8 would halve the LR
-    besides the schedule's halving. A cap of 8 (or none) gives back every halving."""
+    """Under the linear rule a cap of 4 stops the scale at factor 4: past it the rule gives back no share of the
+    schedule's halvings. A cap of 8 (or none) gives back every one."""
     from lightning_accum.features import LRScaling
 
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)

@@ -114,8 +114,8 @@ class AdaptiveGrowth(Feature):
         bounded = ""
         if self.lr_bound and sum(isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers) == 1:
             bounded = (
-                ", held to the first factor x the LR schedule's peak over its current LR (and lr_scale_max's factor),"
-                " or past it to a tenth of the noise scale"
+                ", held to the first factor x the LR schedule's peak over its current LR (never past where"
+                " lr_scale_max stops the LR rule), or past it to a tenth of the noise scale"
             )
         ctx.summary.append(
             f"adaptive: batch up to {self.policy.target:g} x the noise scale's lower bound (confidence"
@@ -169,9 +169,10 @@ class AdaptiveGrowth(Feature):
 
         Past ``lr_scale_max`` the rule no longer raises the LR with the batch, so growth there lowers the LR per
         sample on top of the schedule's own decay: only the noise scale's free share
-        (:func:`~lightning_accum.adaptive.budget_bound`) may take the factor further. A run without an LR schedule
-        (``bound`` is ``None``: a constant rate) has no decay but what growth past the cap makes, which the noise scale
-        calls for once the steps are mostly noise: nothing but ``max_factor`` bounds it there.
+        (:func:`~lightning_accum.adaptive.budget_bound`) may take the factor further. Where no bound was read (``bound``
+        is ``None``: no ``SampleDrivenLR`` or two of them, or ``lr_bound=False``), nothing but ``max_factor`` bounds it:
+        at a constant rate growth past the cap is the run's only decay, which the noise scale calls for once the steps
+        are mostly noise.
         """
         if self.bound is None:
             return self.policy.max_factor
@@ -246,8 +247,8 @@ def _decision_line(ctx: Context, current: int, decision: Decision, per_factor: f
         calls = f"calls for factor {decision.called}"
         if decision.held is not None and decision.held < min(decision.called, 2 * current):
             calls += (
-                f", held to {decision.held} by the budget (the LR schedule's peak over its current LR and the LR cap,"
-                " or a batch of at most a tenth of the noise scale)"
+                f", held to {decision.held} by the budget (the LR schedule's peak over its current LR, within the LR"
+                " cap where set, or a batch of at most a tenth of the noise scale)"
             )
         elif decision.called > decision.factor:
             calls += ", taken a doubling at a time, each on fresh evidence"

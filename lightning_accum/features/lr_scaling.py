@@ -3,10 +3,10 @@
 At each window's opening the scale's target is set from the factor's effective batch (linear or square-root rule of
 :mod:`lightning_accum.scaling`, capped at ``lr_scale_max``, with an optional warmup); a window that holds fewer
 micro-batches than its factor (an epoch's last, ``limit_train_batches``, an epoch of unknown length that ends) steps at
-the rate of the batch it holds, without moving the warmup's target. The scale multiplies each param group's ``lr``
-only while ``optimizer.step()`` runs, so LR schedulers keep their own shape. Always on: with
-``lr_scaling="none"`` the scale is 1, no optimizer step is wrapped, and only ``accum/lr`` and ``accum/lr_scale`` are
-logged.
+the rate of the batch it holds (past ``lr_scale_max``, with the full window's decay), without moving the warmup's
+target. The scale multiplies each param group's ``lr`` only while ``optimizer.step()`` runs, so LR schedulers keep
+their own shape. Always on: with ``lr_scaling="none"`` the scale is 1, no optimizer step is wrapped, and only
+``accum/lr`` and ``accum/lr_scale`` are logged.
 
 ``accum/lr`` is the learning rate the step really used, read just before the step (after the window's last backward,
 before the LR scheduler moves on), scale included; with several param groups of different rates each has its own
@@ -46,7 +46,7 @@ class LRScaling(Feature):
         warmup_steps: Move the scale linearly to each new value over this many optimizer steps.
         max_scale: The largest scale (``lr_scale_max``): the rule's scale is capped there, with a warning the first
             time; ``None``: no cap, and a warning the first time the scaled LR passes :data:`SCALE_WARNING` (4) times
-            the configured one (the scale times the LR schedule's LR over the configured LR).
+            the LR schedule's peak (the scale times the schedule's LR over its highest so far).
         beta2: Keep Adam's ``beta2`` half-life fixed in samples (or tokens) as the batch changes
             (``beta2_follows_batch``): each update uses ``beta2 ** (batch / base_batch_size)`` (Marek et al. 2025),
             logged as ``accum/beta2``; the param groups keep their own ``betas`` outside the update.
@@ -85,6 +85,7 @@ class LRScaling(Feature):
         self._power = 1.0  # beta2's power in the step the window in progress ends with
         self.max_scale = check_max_scale(max_scale)
         self._warned = False  # whether this run was told its scale passed the bound
+        self._peaks: list[float] = []  # each param group's highest LR in this fit (the warning's reference)
         self._configured_base = None if base_batch_size is None else check_int("base_batch_size", base_batch_size, 1)
         self._warmup = ScaleWarmup(steps=check_int("lr_warmup_steps", warmup_steps, minimum=0))
         # resolved at the run's first fit start, then kept (checkpointed): samples, or micro-batches when the
@@ -112,6 +113,7 @@ class LRScaling(Feature):
             )
         # the rule "none" keeps the scale at 1 (nothing to apply around the optimizers' steps), unless a checkpoint's
         # warmup still moves it from another rule's value
+        self._peaks = []
         scales = self.rule != "none" or self._warmup.start != 1.0 or self._warmup.target != 1.0 or self.beta2
         assert self.base_batch_size is not None, "resolved above"
         ctx.lr_cap_factor = cap_factor(self.rule, self.max_scale, self.base_batch_size, ctx.effective_batch(1))
@@ -134,6 +136,25 @@ class LRScaling(Feature):
                 f" from the train dataloader's `batch_size`: pass `micro_batch_size` to {ctx.run.owner}"
             )
         return float(self._configured_base)
+
+    def _schedule_ratio(self, ctx: Context) -> float:
+        """Where the LR schedules stand: the largest of the param groups' LR over its peak (1 at the peak).
+
+        A group's peak is the highest of its ``initial_lr`` (what an LR scheduler started from) and every LR it had at
+        a window's opening in this fit: a one-cycle or warmup schedule that rises past ``initial_lr`` is at its peak
+        while it rises.
+        """
+        groups = [group for optimizer in ctx.optimizers for group in optimizer.param_groups]
+        if len(self._peaks) != len(groups):
+            self._peaks = [0.0] * len(groups)
+        ratios = []
+        for i, group in enumerate(groups):
+            lr, initial = float(group["lr"]), group.get("initial_lr")
+            start = float(initial) if isinstance(initial, (int, float)) else lr
+            self._peaks[i] = max(self._peaks[i], lr, start)
+            if self._peaks[i] > 0:
+                ratios.append(lr / self._peaks[i])
+        return max(ratios, default=1.0)
 
     def _current_scale(self) -> float:
         return self._scale
@@ -162,12 +183,12 @@ class LRScaling(Feature):
     def _bounded(self, scale: float, ctx: Context) -> float:
         """``scale`` within ``max_scale``; the first scale past the bound is told.
 
-        Without a bound, the first LR past :data:`SCALE_WARNING` times the configured one is told: the scale times
-        where the LR schedule stands (its LR over the configured one), so that a batch grown where the schedule decays
+        Without a bound, the first LR past :data:`SCALE_WARNING` times the schedule's peak is told: the scale times
+        where the LR schedule stands (its LR over its highest so far), so that a batch grown where the schedule decays
         (Seesaw, growth held to the budget), which keeps the LR at or below its peak, is not.
         """
         bound = self.max_scale if self.max_scale is not None else SCALE_WARNING
-        used = scale if self.max_scale is not None else scale * _schedule_ratio(ctx)
+        used = scale if self.max_scale is not None or self._warned else scale * self._schedule_ratio(ctx)
         if used > bound and not self._warned:
             self._warned = True
             batch = ctx.effective_batch(ctx.factor)
@@ -175,9 +196,10 @@ class LRScaling(Feature):
                 told = f"it stays at lr_scale_max={self.max_scale:g}"
             else:
                 told = "set lr_scale_max to cap it (a scaled LR that diverges is the usual way a growing batch fails)"
+            where = f" ({used:.4g} x the schedule's peak LR where it stands)" if used != scale else ""
             rank_zero_warn(
                 f"{ctx.run.owner}: lr_scaling={self.rule!r} scales the learning rate by {scale:.4g} at the"
-                f" effective batch {batch:g} (base {self.base_batch_size:g}), past {bound:g}: {told}"
+                f" effective batch {batch:g} (base {self.base_batch_size:g}){where}, past {bound:g}: {told}"
             )
         return min(scale, self.max_scale) if self.max_scale is not None else scale
 
@@ -250,17 +272,6 @@ def _check_betas(ctx: Context) -> None:
                 f" {type(optimizer).__name__} has param groups without two `betas`: use it with Adam, AdamW (or another"
                 " optimizer with `betas`), or leave beta2_follows_batch=False"
             )
-
-
-def _schedule_ratio(ctx: Context) -> float:
-    """Where the LR schedules stand: the largest param group's LR over the one it was configured with (1: none)."""
-    ratios = [
-        float(group["lr"]) / float(group["initial_lr"])
-        for optimizer in ctx.optimizers
-        for group in optimizer.param_groups
-        if isinstance(group.get("initial_lr"), (int, float)) and group["initial_lr"] > 0
-    ]
-    return max(ratios, default=1.0)
 
 
 def _configured_lr(optimizer: Any) -> float:

@@ -100,8 +100,9 @@ class Seesaw(Feature):
         if cap is not None and self.rule != "none" and self.schedule.max_factor > cap:
             rank_zero_warn(
                 f"{ctx.run.owner}: Seesaw's factor reaches {self.schedule.max_factor}, but lr_scale_max stops the LR"
-                f" rule's scale at factor {cap}: past it each doubling of the batch halves the LR as well, twice the"
-                f" schedule's decay. Raise lr_scale_max, or give seesaw_max_factor={cap}"
+                f" rule's scale at factor {cap}: past it the rule no longer gives back its share of each halving, and"
+                f" each doubling of the batch adds to the schedule's decay. Raise lr_scale_max, or give"
+                f" seesaw_max_factor={cap}"
             )
         if self.rule == "none":
             rank_zero_warn(
