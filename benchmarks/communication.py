@@ -48,7 +48,7 @@ from lightning_accum import (  # noqa: E402
     DDPAccumulationStrategy,
     ModelParallelAccumulationStrategy,
 )
-from lightning_accum.sync import CHECKED_WINDOWS  # noqa: E402
+from lightning_accum.distributed.sync import CHECKED_WINDOWS  # noqa: E402
 
 WIDTH, LAYERS, MICRO_BATCH, MICRO_STEPS = 64, 4, 4, 32
 FACTORS = (1, 4, 16)
@@ -70,7 +70,7 @@ class MLP(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard:
-            from lightning_accum._torch import fully_shard
+            from lightning_accum.compat.torch import fully_shard
 
             for block in self.net:
                 fully_shard(block, mesh=self.device_mesh["data_parallel"])

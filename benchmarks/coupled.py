@@ -9,8 +9,8 @@ time against plain micro-batches of the same chunk.
 One training step of a dual encoder: two towers, each Linear(256, 1024) -> GELU -> Dropout(0.1) -> Linear(1024, 1024)
 -> LayerNorm -> Linear(1024, 128), and InfoNCE with in-batch negatives and a learnable temperature (gradients set to
 None, both towers forward, the loss, backward; no optimizer step). Computed (a) as one true big batch in plain
-PyTorch, (b) with each tower through :func:`lightning_accum.coupled.cached` in chunks of 8, 32 and 128 rows (those
-smaller than the batch), at batches of 64, 256 and 1024 rows.
+PyTorch, (b) with each tower through :func:`lightning_accum.distributed.coupled.cached` in chunks of 8, 32 and 128 rows
+(those smaller than the batch), at batches of 64, 256 and 1024 rows.
 
 - Time: a warm-up round, then every configuration once per round in an order rotated every round
   (``common.rotated_rounds``); ms/step is the median over the rounds, the ratio is taken round by round against the
@@ -69,7 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import device, ratio, rotated_rounds  # noqa: E402
 
-from lightning_accum.coupled import cached  # noqa: E402
+from lightning_accum.distributed.coupled import cached  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

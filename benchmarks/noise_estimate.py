@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import Frozen  # noqa: E402
 
 from lightning_accum import AccumulationScheduler  # noqa: E402
-from lightning_accum.adaptive import AdaptiveFactor  # noqa: E402
+from lightning_accum.core.adaptive import AdaptiveFactor  # noqa: E402
 from tests.helpers import exact_noise_scale  # noqa: E402  (every per-sample gradient of the data set, torch.func)
 
 SAMPLES, FEATURES, MICRO_BATCH = 4096, 16, 8

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from byte_lm import ByteLM, ByteWindows, read_corpus  # noqa: E402
 
 from lightning_accum import AccumulationScheduler  # noqa: E402
-from lightning_accum.monitor import peak_resident_bytes, resident_bytes  # noqa: E402
+from lightning_accum.core.monitor import peak_resident_bytes, resident_bytes  # noqa: E402
 
 _MIB = 2**20
 

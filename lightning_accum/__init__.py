@@ -1,15 +1,12 @@
 """lightning_accum: exact, scheduled and visible gradient accumulation for PyTorch Lightning."""
 
-from lightning_accum import _versions
+from lightning_accum.compat import versions as _versions
 
 _versions.check_installed()  # an unsupported lightning or torch is refused here, not deep inside a fit
 
-from lightning_accum import _instantiate  # noqa: E402
 from lightning_accum.__about__ import __version__  # noqa: E402
-from lightning_accum.callback import AccumulationScheduler, estimated_stepping_batches  # noqa: E402
-from lightning_accum.coupled import all_gather_with_grad, cached  # noqa: E402
-from lightning_accum.manual import ManualAccumulation, MicroStep  # noqa: E402
-from lightning_accum.sample_driven_lr import SampleDrivenLR  # noqa: E402
+from lightning_accum.core.sample_driven_lr import SampleDrivenLR  # noqa: E402
+from lightning_accum.distributed.coupled import all_gather_with_grad, cached  # noqa: E402
 from lightning_accum.strategies import (  # noqa: E402
     AccumulationStrategyMixin,
     DDPAccumulationStrategy,
@@ -17,6 +14,9 @@ from lightning_accum.strategies import (  # noqa: E402
     FSDPAccumulationStrategy,
     ModelParallelAccumulationStrategy,
 )
+from lightning_accum.trainer import _instantiate  # noqa: E402
+from lightning_accum.trainer.callback import AccumulationScheduler, estimated_stepping_batches  # noqa: E402
+from lightning_accum.trainer.manual import ManualAccumulation, MicroStep  # noqa: E402
 
 _instantiate.register(AccumulationScheduler)  # plain LightningCLI: a refused value ends in one line, exit 2
 

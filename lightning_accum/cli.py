@@ -30,9 +30,9 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.cli import LightningArgumentParser
 
-from lightning_accum._lightning import TRAINER_PACKAGES, trainer_package
-from lightning_accum.monitor import peak_resident_bytes, resident_bytes
-from lightning_accum.plan import Plan, plan, plan_table
+from lightning_accum.compat.lightning import TRAINER_PACKAGES, trainer_package
+from lightning_accum.core.monitor import peak_resident_bytes, resident_bytes
+from lightning_accum.core.plan import Plan, plan, plan_table
 
 _MIB = 2**20
 _PROBE = "_probe"  # private: `python -m lightning_accum.cli _probe MODULE:CLASS SIZE`, run by probe_isolated
@@ -199,8 +199,8 @@ class FocusedErrors:
 
     def instantiate(self, namespace: Any, instantiate_groups: bool = True, *, instantiators: Any = None) -> Any:
         """Instantiate the classes; a constructor error of lightning_accum's classes becomes an ``error()``."""
-        from lightning_accum.callback import AccumulationScheduler
         from lightning_accum.strategies.mixin import AccumulationStrategyMixin
+        from lightning_accum.trainer.callback import AccumulationScheduler
 
         failures: list[tuple[str, str]] = []
 

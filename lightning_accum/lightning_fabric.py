@@ -15,7 +15,7 @@ Importing this module refuses a ``lightning_fabric`` release outside the support
 
 from __future__ import annotations
 
-from lightning_accum._lightning import names_of_fabric_package
+from lightning_accum.compat.lightning import names_of_fabric_package
 
 names_of_fabric_package("lightning_fabric")  # imports it, and refuses an unsupported release
 

@@ -14,14 +14,14 @@ Every public name of :mod:`lightning_accum` is here. The classes that subclass a
 strategies, :class:`AccumulationArgumentParser`, and :class:`AccumulationScheduler` (a ``pytorch_lightning``
 ``Callback`` as well, as LightningCLI's ``trainer.callbacks`` asks). Everything else is the very object
 :mod:`lightning_accum` exports: it takes Lightning's names from the Trainer it is attached to
-(:mod:`lightning_accum._lightning`), so ``lightning_accum.AccumulationScheduler`` itself also trains under a
+(:mod:`lightning_accum.compat.lightning`), so ``lightning_accum.AccumulationScheduler`` itself also trains under a
 ``pytorch_lightning.Trainer``. Importing this module refuses a ``pytorch_lightning`` release outside the supported
 range (``ImportError``, both versions named).
 """
 
 from __future__ import annotations
 
-from lightning_accum._lightning import names_of_trainer_package
+from lightning_accum.compat.lightning import names_of_trainer_package
 
 names_of_trainer_package("pytorch_lightning")  # imports it, and refuses an unsupported release
 

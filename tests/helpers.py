@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from lightning_accum._torch import FSDP2_FLOOR, has_fsdp2_mechanics
+from lightning_accum.compat.torch import FSDP2_FLOOR, has_fsdp2_mechanics
 
 if TYPE_CHECKING:  # the scripts the tests launch import this module too: they need no pytest
     import pytest

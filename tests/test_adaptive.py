@@ -13,8 +13,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.adaptive import MIN_MEASUREMENTS, AdaptiveFactor, look, ready, spent_confidence
-from lightning_accum.noise import NoiseScaleEstimate, NoiseScaleEstimator, t_quantile
+from lightning_accum.core.adaptive import MIN_MEASUREMENTS, AdaptiveFactor, look, ready, spent_confidence
+from lightning_accum.core.noise import NoiseScaleEstimate, NoiseScaleEstimator, t_quantile
 from tests.helpers import RegressionModule, exact_noise_scale, make_data, make_net, per_sample_gradients, trainer
 
 
@@ -274,13 +274,14 @@ def test_without_a_bound_the_warning_reads_the_lr_used_where_the_schedule_stands
     ``initial_lr``."""
     import warnings
 
-    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.core.events import Context, Event, Features
+    from lightning_accum.core.fit import FitPlan
     from lightning_accum.features import LRScaling
 
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     optimizer.param_groups[0].update(initial_lr=initial_lr, lr=scheduled_lr)  # as an LR scheduler leaves them
     features = Features([LRScaling("linear", base_batch_size=4)])
-    ctx = Context(micro_batch_size=4, optimizers=[optimizer], factor=factor)
+    ctx = Context(optimizers=[optimizer], factor=factor, plan=FitPlan(micro_batch_size=4))
     features.dispatch(Event.FIT_START, ctx)
     ctx.window.open(factor)
     with warnings.catch_warnings(record=True) as caught:
@@ -342,9 +343,9 @@ def _grow_on(flat: torch.Tensor, seed: int, epochs: int = 3, max_factor: int = 6
     in two halves, as on one process), folded into the logged averages (per step) and the evidence (per window) as
     :class:`~lightning_accum.features.noise_scale.NoiseScale` folds them; the decisions are the feature's own.
     """
-    from lightning_accum.events import Context, Event, Features
+    from lightning_accum.core.events import Context, Event, Features
+    from lightning_accum.core.noise import NoiseReading
     from lightning_accum.features.adaptive_growth import AdaptiveGrowth
-    from lightning_accum.noise import NoiseReading
 
     growth = AdaptiveGrowth(target=1.0, max_factor=max_factor)
     features, logged, evidence = Features([growth]), NoiseScaleEstimator(0.95), NoiseScaleEstimator(0.95)

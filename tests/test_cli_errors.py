@@ -214,7 +214,8 @@ def test_plain_lightning_cli_never_trains_on_a_value_the_constructor_refuses(run
 
 # Plain LightningCLI calls the constructors itself and catches nothing they raise: jsonargparse would wrap the
 # ValueError in a union error and Python print it with its traceback. lightning_accum registers a jsonargparse
-# instantiator for AccumulationScheduler when it is imported (lightning_accum/_instantiate.py): one line, exit 2.
+# instantiator for AccumulationScheduler when it is imported (lightning_accum/trainer/_instantiate.py): one line, exit
+# 2.
 @pytest.mark.parametrize("case", PLAIN_CASES, ids=[case.name for case in PLAIN_CASES])
 def test_plain_lightning_cli_names_a_value_the_constructor_refuses_in_the_last_lines(runs, case):
     _check_named(case, runs[case.name][1])

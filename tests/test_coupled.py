@@ -20,9 +20,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp._common_utils import _set_fsdp_flattened
 
-from lightning_accum import coupled
-from lightning_accum._torch import fully_shard
-from lightning_accum.coupled import add_listener, all_gather_with_grad, cached
+from lightning_accum.compat.torch import fully_shard
+from lightning_accum.distributed import coupled
+from lightning_accum.distributed.coupled import add_listener, all_gather_with_grad, cached
 from tests.helpers import launched_ahead
 
 IN_FEATURES, WIDTH, OUT_FEATURES, BATCH = 6, 32, 8, 24

@@ -1,4 +1,4 @@
-"""The data position (lightning_accum/data_position.py), pure: an epoch's global order against torch's own
+"""The data position (lightning_accum/core/data_position.py), pure: an epoch's global order against torch's own
 DistributedSampler, each rank's share of what is left of it, and where a resumed loader starts."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from lightning_accum.data_position import DataPosition, Dealt, Order, order_of, share
+from lightning_accum.core.data_position import DataPosition, Dealt, Order, order_of, share
 
 
 def _torch_global(length: int, world: int, epoch: int, shuffle: bool, drop_last: bool, seed: int = 3) -> list[int]:

@@ -115,6 +115,24 @@ def test_estimated_stepping_batches_honours_max_steps_and_falls_back_without_the
     assert plain.total_steps == plain.stock_estimate == 20
 
 
+def test_steps_counted_before_the_fit_of_an_endless_loader_end_at_max_steps_without_building_a_schedule():
+    """An epoch of unknown length: the run ends at ``max_steps``, so nothing is counted and no schedule is built (a
+    target the callback's ``micro_batch_size`` does not divide may still be reached from the loader's batch, which the
+    fit's plan reads at its start)."""
+    from types import SimpleNamespace
+
+    from lightning_accum.core.schedule import ScheduleSpec
+    from lightning_accum.trainer._plan import count_steps
+
+    spec = ScheduleSpec.from_args(None, "epoch", 72, None, None, None, 16)
+    with pytest.raises(ValueError, match="72"):
+        spec.build(16, 1)
+    endless = SimpleNamespace(
+        max_epochs=-1, max_steps=7, train_dataloader=object(), world_size=1, num_training_batches=float("inf")
+    )
+    assert count_steps(endless, spec) == 7
+
+
 def test_step_interval_lr_schedulers_step_once_per_window():
     class StepLRModule(RegressionModule):
         def configure_optimizers(self):

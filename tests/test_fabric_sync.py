@@ -12,9 +12,9 @@ from lightning.fabric.strategies.model_parallel import _FSDPNoSync
 from lightning.fabric.wrappers import _FabricModule, _FabricOptimizer, is_wrapped
 from torch import nn
 
-from lightning_accum._torch import fully_shard
+from lightning_accum.compat.torch import fully_shard
+from lightning_accum.distributed.sync import fsdp2_modules, fsdp2_sync_state, skip_gradient_sync
 from lightning_accum.fabric import Accumulator
-from lightning_accum.sync import fsdp2_modules, fsdp2_sync_state, skip_gradient_sync
 from tests.test_torch_contract import one_rank_mesh  # noqa: F401 (a fixture)
 
 

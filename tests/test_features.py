@@ -14,10 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_accum.events import Context, Event, Feature, Features, Run
+from lightning_accum.core.events import Context, Event, Feature, Features, Run
+from lightning_accum.core.fit import FitPlan
+from lightning_accum.core.noise import NoiseReading, NoiseScaleEstimate
+from lightning_accum.core.window import Window
 from lightning_accum.features import AdaptiveGrowth, ItemWeighting, LRScaling, Metrics, NoiseScale
-from lightning_accum.noise import NoiseReading, NoiseScaleEstimate
-from lightning_accum.window import Window
 from tests.helpers import make_data, make_net, make_tokens, token_loss
 
 
@@ -487,7 +488,7 @@ def test_adaptive_growth_resumed_on_other_ranks_keeps_the_global_batch_it_had_re
     growth = AdaptiveGrowth(max_factor=8)
     growth.load_state_dict({"factor": factor, "decided_at": 5, "fresh": 1, "world_size": saved})
     run = PrintingRun()
-    ctx = Context(factor=2, world_size=world, micro_batch_size=4, run=run)
+    ctx = Context(factor=2, world_size=world, run=run, plan=FitPlan(micro_batch_size=4))
     Features([growth]).dispatch(Event.FIT_START, ctx)
     assert growth.factor == carried
     assert ctx.factor == max(2, carried)  # the schedule's 2 is the floor
@@ -502,7 +503,7 @@ def test_adaptive_growth_resumed_on_other_ranks_keeps_the_global_batch_it_had_re
 def test_adaptive_growth_refuses_a_global_batch_the_new_ranks_cannot_hold_naming_the_nearest_factor():
     growth = AdaptiveGrowth()
     growth.load_state_dict({"factor": 3, "world_size": 1})
-    ctx = Context(factor=1, world_size=2, micro_batch_size=4, run=PrintingRun())
+    ctx = Context(factor=1, world_size=2, run=PrintingRun(), plan=FitPlan(micro_batch_size=4))
     with pytest.raises(
         ValueError,
         match=r"factor 3 on 1 process\(es\), a global batch of 12 samples.*nearest whole"
@@ -517,18 +518,20 @@ def test_adaptive_growth_from_a_checkpoint_without_its_ranks_or_on_the_same_rank
         growth = AdaptiveGrowth()
         growth.load_state_dict(state)
         run = PrintingRun()
-        Features([growth]).dispatch(Event.FIT_START, Context(factor=1, world_size=2, micro_batch_size=4, run=run))
+        Features([growth]).dispatch(
+            Event.FIT_START, Context(factor=1, world_size=2, run=run, plan=FitPlan(micro_batch_size=4))
+        )
         assert growth.factor == 4
         assert run.printed == []
 
 
 def test_a_fixed_factor_resumed_on_other_ranks_names_the_old_and_new_global_batch_and_what_keeps_it():
-    from lightning_accum.data_position import DataPosition
+    from lightning_accum.core.data_position import DataPosition
 
     position = DataPosition()
     position.load_state_dict({"position": 0, "world_size": 2, "epoch_size": 64, "order": None})
     run = PrintingRun()
-    ctx = Context(factor=4, world_size=1, micro_batch_size=4, run=run)
+    ctx = Context(factor=4, world_size=1, run=run, plan=FitPlan(micro_batch_size=4))
     position.say_global_batch(ctx, target_batch_size=None, grows=False)
     assert run.printed == [
         "AccumulationScheduler: resumed on 1 process(es) from a checkpoint written on 2: the global batch is now 16"
@@ -549,7 +552,7 @@ def test_lr_scaling_applies_the_scale_inside_the_step_only_and_warms_it_up():
     optimizer = torch.optim.SGD([param], lr=0.1)
     lr = LRScaling("linear", base_batch_size=4, warmup_steps=2)
     features = Features([lr])
-    ctx = Context(micro_batch_size=2, optimizers=[optimizer], factor=2)
+    ctx = Context(optimizers=[optimizer], factor=2, plan=FitPlan(micro_batch_size=2))
     features.dispatch(Event.FIT_START, ctx)
     assert ctx.summary == ["lr 0.1 x (4/4) = 0.1"]
     used = []
@@ -577,7 +580,7 @@ def test_lr_scaling_applies_the_scale_inside_the_step_only_and_warms_it_up():
 
 def test_lr_scaling_refuses_a_base_in_samples_without_the_micro_batch_size():
     with pytest.raises(ValueError, match="base_batch_size=64"):
-        LRScaling("sqrt", base_batch_size=64).fit_start(Context(micro_batch_size=None))
+        LRScaling("sqrt", base_batch_size=64).fit_start(Context(plan=FitPlan(micro_batch_size=None)))
 
 
 # ------------------------------------------------------------------ metrics
@@ -605,7 +608,7 @@ def test_metrics_logs_its_own_values_and_every_other_features_in_one_call():
     x, y = make_data(8)
     net = make_net()
     features = Features([ItemWeighting("sample"), Metrics()])
-    ctx = Context(micro_batch_size=4, run=run, module=net, log_every=1)
+    ctx = Context(run=run, module=net, log_every=1, plan=FitPlan(micro_batch_size=4))
     batches = [(x[:3], y[:3]), (x[3:8], y[3:8])]
     drive(features, ctx, net, batches, mse)
     ctx.optimizer_steps, ctx.metrics = 1, {}

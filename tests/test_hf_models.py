@@ -236,7 +236,7 @@ def _reference_two(model: nn.Module, both: dict[str, torch.Tensor]) -> list[torc
 
 
 def test_only_a_trainable_model_counts_and_heads_that_disagree_count_as_given():
-    from lightning_accum.items import token_head
+    from lightning_accum.core.items import token_head
 
     teacher, student = make_model("masked"), make_model("causal")
     teacher.requires_grad_(False)  # a frozen teacher: its loss is not the one trained on
@@ -247,7 +247,7 @@ def test_only_a_trainable_model_counts_and_heads_that_disagree_count_as_given():
 
 
 def test_labels_shifted_by_the_collate_are_counted_as_given():
-    from lightning_accum.items import count_tokens
+    from lightning_accum.core.items import count_tokens
 
     labels = torch.tensor([[5, 6, 7, -100]])
     batch = {"labels": labels, "shift_labels": torch.tensor([[6, 7, -100, -100]])}
@@ -256,7 +256,7 @@ def test_labels_shifted_by_the_collate_are_counted_as_given():
 
 
 def test_a_causal_lm_head_that_takes_its_labels_as_given_is_counted_as_given():
-    from lightning_accum.items import token_head
+    from lightning_accum.core.items import token_head
 
     config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=1, n_heads=2, max_position_embeddings=16)
     assert token_head(transformers.XLMWithLMHeadModel(config)) == ("XLMWithLMHeadModel", False)

@@ -1,4 +1,4 @@
-"""The private Lightning behaviour lightning_accum relies on (see lightning_accum/_loop.py).
+"""The private Lightning behaviour lightning_accum relies on (see lightning_accum/trainer/_loop.py).
 
 If one of these fails after a Lightning upgrade, the loop routing must be revisited before widening the pin.
 """
@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import ClosureResult, _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
-from lightning_accum._loop import LoopControl
+from lightning_accum.trainer._loop import LoopControl
 from tests.helpers import RegressionModule, loader, make_data, trainer
 
 
@@ -136,7 +136,7 @@ def test_swa_sets_accumulate_grad_batches_for_its_batch_norm_epoch_and_gives_it_
     class Spy(Callback):
         def on_train_batch_start(self, trainer, *_):
             skip = trainer.fit_loop._skip_backward
-            # lightning_accum/_loop.py reads the attribute the fit loop's property forwards to
+            # lightning_accum/trainer/_loop.py reads the attribute the fit loop's property forwards to
             assert trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward is skip
             seen.append((trainer.current_epoch, trainer.accumulate_grad_batches, skip))
 
@@ -147,7 +147,7 @@ def test_swa_sets_accumulate_grad_batches_for_its_batch_norm_epoch_and_gives_it_
 
 
 def test_on_before_backward_receives_the_fresh_quotient_that_backward_runs_on():
-    """normalize_by='sample'/'token' re-weights that tensor in place (lightning_accum/callback.py)."""
+    """normalize_by='sample'/'token' re-weights that tensor in place (lightning_accum/trainer/callback.py)."""
     seen = []
 
     class Zero(Callback):
@@ -164,7 +164,7 @@ def test_on_before_backward_receives_the_fresh_quotient_that_backward_runs_on():
 
 
 def test_a_checkpoint_keeps_the_loop_progress_and_loader_states_where_resume_points_rewind_them(tmp_path):
-    """lightning_accum/_resume.py rewrites these entries of a checkpoint written inside a window; a restart from
+    """lightning_accum/trainer/_resume.py rewrites these entries of a checkpoint written inside a window; a restart from
     counters with ``completed`` below ``started`` redoes the batch, with the loaders' saved states reloaded."""
     from tests.helpers import ResumableLoader
 
@@ -203,9 +203,9 @@ def test_a_checkpoint_keeps_the_loop_progress_and_loader_states_where_resume_poi
 
 def test_loader_states_sized_early_are_dropped_by_lightning_and_restored_by_the_callback(tmp_path):
     """Lightning issue #20550: ``estimated_stepping_batches`` in ``configure_optimizers`` sets the train loader up
-    before the checkpoint is restored, and the fit loop never loads the states it restored (lightning_accum/_resume.py's
-    ``restore_loader_states`` loads them, through the private names pinned here). Resumed at batch 2 of 4: stock
-    Lightning trains batch 0 again, the callback batch 2."""
+    before the checkpoint is restored, and the fit loop never loads the states it restored
+    (lightning_accum/trainer/_data.py's ``restore_loader_states`` loads them, through the private names pinned here).
+    Resumed at batch 2 of 4: stock Lightning trains batch 0 again, the callback batch 2."""
     from lightning.pytorch.loops.fit_loop import _FitLoop
 
     from lightning_accum import AccumulationScheduler
@@ -246,7 +246,7 @@ def test_loader_states_sized_early_are_dropped_by_lightning_and_restored_by_the_
 
 
 def test_the_tqdm_bar_resets_its_total_in_its_own_epoch_start_hook_which_runs_after_this_callbacks(tmp_path):
-    """lightning_accum/_run.py sizes the bar through its private ``_train_progress_bar`` and re-applies the size
+    """lightning_accum/trainer/_run.py sizes the bar through its private ``_train_progress_bar`` and re-applies the size
     after the bar's own ``on_train_epoch_start`` (wrapped on the instance), which sets Lightning's count."""
     from lightning.pytorch.callbacks import TQDMProgressBar
 
@@ -299,8 +299,8 @@ def test_the_deepspeed_strategy_methods_overridden_for_cpu_and_accumulation_keep
 
 
 def test_a_restarted_epoch_counts_its_batches_from_the_progress_the_callback_shifts_and_reads_the_batch_sampler_anew():
-    """What lightning_accum/_resume.py's ``reposition`` relies on (issue 47): a loader without state restarted in the
-    middle of an epoch iterates from its sampler's start, and the epoch ends when the fetcher's count, started at
+    """What lightning_accum/trainer/_data.py's ``reposition`` relies on (issue 47): a loader without state restarted
+    in the middle of an epoch iterates from its sampler's start, and the epoch ends when the fetcher's count, started at
     ``batch_progress.current.ready``, reaches the loader's length; Lightning sets the epoch through the batch sampler's
     ``sampler`` (``_set_sampler_epoch``); the fit loop holds a ``_data_fetcher`` that ``iter`` makes anew."""
     from lightning.fabric.utilities.data import _set_sampler_epoch

@@ -299,7 +299,7 @@ def test_the_cuda_memory_metrics_read_the_peak_and_never_reset_it(monkeypatch):
     # CUDA cannot run here: torch.cuda's four readers are replaced; what matters is that the user's peak statistic,
     # which examples/accumulation_experiment.py and the GPU suite measure a fit with, is never reset by the callback
     # (benchmarks/gpu/memory_metrics.py checks the same against a real device)
-    from lightning_accum.monitor import memory_metrics
+    from lightning_accum.core.monitor import memory_metrics
 
     calls = []
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * 2**20)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.split import batch_rows, is_out_of_memory, split_batch
+from lightning_accum.core.split import batch_rows, is_out_of_memory, split_batch
 from tests.helpers import (
     LR,
     DictDataset,
@@ -472,7 +472,7 @@ def test_auto_warns_once_of_a_batch_it_could_not_cut_and_trains_as_stock():
 
 
 def test_a_registered_splitter_lets_adaptive_growth_measure_a_users_batch_class():
-    from lightning_accum.split import _ROWS, _SPLITTERS, register_splitter
+    from lightning_accum.core.split import _ROWS, _SPLITTERS, register_splitter
 
     def cut(batch: Pair, size: int) -> list[Pair]:
         return [Pair(batch.x[i : i + size], batch.y[i : i + size]) for i in range(0, len(batch.x), size)]

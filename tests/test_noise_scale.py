@@ -13,10 +13,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.events import Context, Event, Features
+from lightning_accum.core.events import Context, Event, Features
+from lightning_accum.core.noise import NoiseScaleEstimator
+from lightning_accum.core.window import Window
 from lightning_accum.features import NoiseScale
-from lightning_accum.noise import NoiseScaleEstimator
-from lightning_accum.window import Window
 from tests import helpers
 from tests.helpers import (
     DictDataset,

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.items import check_count, count_samples, count_tokens
+from lightning_accum.core.items import check_count, count_samples, count_tokens
 from tests.helpers import (
     LR,
     BatchStream,

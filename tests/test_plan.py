@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_accum.cli import main
-from lightning_accum.plan import PlanRow, plan, plan_table
+from lightning_accum.core.plan import PlanRow, plan, plan_table
 from tests.helpers import launch_environment, launched_ahead
 
 ROOT = Path(__file__).resolve().parents[1]

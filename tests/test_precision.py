@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_accum import AccumulationScheduler
-from lightning_accum.precision import WideAccumulator, check_grad_accum_dtype, narrower
+from lightning_accum.core.precision import WideAccumulator, check_grad_accum_dtype, narrower
 from tests.helpers import (
     BACKENDS,
     DictDataset,

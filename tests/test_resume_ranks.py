@@ -75,7 +75,7 @@ CONFIG_RESUMES = {
     "adaptive_1to2": ("adaptive", "adaptive1", GROWN, 2),
     "adaptive_odd_1to2": ("adaptive", "adaptive1", ODD, 2),
 }
-# what a fixed factor resumed on another number of processes prints (lightning_accum/data_position.py), and its
+# what a fixed factor resumed on another number of processes prints (lightning_accum/core/data_position.py), and its
 # start, which no target_batch_size run may print
 GLOBAL_BATCH_LINE = (
     "AccumulationScheduler: resumed on {now} process(es) from a checkpoint written on {was}: the global batch is now"

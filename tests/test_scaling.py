@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lightning_accum.scaling import ScaledStep, ScaleWarmup, check_rule, held_window_scale, lr_scale
+from lightning_accum.core.scaling import ScaledStep, ScaleWarmup, check_rule, held_window_scale, lr_scale
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_accum.schedule import (
+from lightning_accum.core.schedule import (
     BatchSizeRamp,
     Schedule,
     build_schedule,
@@ -99,7 +99,7 @@ def test_count_optimizer_steps_needs_a_bound():
 def test_a_constant_factor_in_a_token_run_keeps_counting_tokens():
     """``unit="token"`` with no ``scheduling`` (adaptive growth from factor 1, a fixed target batch): the schedule still
     says tokens, so an LR schedule moved by tokens (SampleDrivenLR(unit="token")) is accepted."""
-    from lightning_accum.schedule import build_schedule
+    from lightning_accum.core.schedule import build_schedule
 
     assert build_schedule(None, "token", None, None, 4, 1).unit == "token"
     assert build_schedule(None, "token", 32, None, 4, 2).unit == "token"

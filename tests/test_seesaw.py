@@ -20,12 +20,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_accum
 from lightning_accum import AccumulationScheduler, SampleDrivenLR
-from lightning_accum.events import Context, Event, Features, Run
+from lightning_accum.core.events import Context, Event, Features, Run
+from lightning_accum.core.fit import FitPlan
+from lightning_accum.core.noise import NoiseReading, NoiseScaleEstimate
+from lightning_accum.core.schedule import Schedule
+from lightning_accum.core.seesaw import decay_ratios, growth_bound, planned_steps, seesaw_schedule, steps_ratio
 from lightning_accum.fabric import Accumulator
 from lightning_accum.features import AdaptiveGrowth, Seesaw
-from lightning_accum.noise import NoiseReading, NoiseScaleEstimate
-from lightning_accum.schedule import Schedule
-from lightning_accum.seesaw import decay_ratios, growth_bound, planned_steps, seesaw_schedule, steps_ratio
 from tests.helpers import LR, RegressionModule, make_data, make_net, max_deviation, trainer, weights
 
 MICRO, SAMPLES = 4, 96  # 24 micro-batches in the epoch
@@ -291,7 +292,7 @@ def test_a_batch_past_the_noise_scales_upper_bound_is_warned_once(noise_scale, m
     driven = SampleDrivenLR(cosine, steps=100, total=6400)
     driven.attach(lambda: 0.0, steps=100, total=6400)
     features = Features([Seesaw(max_factor=8)])
-    ctx = Context(micro_batch_size=32, run=_Cosine(driven), schedule=Schedule.constant(1))
+    ctx = Context(run=_Cosine(driven), plan=FitPlan(micro_batch_size=32, schedule=Schedule.constant(1)))
     features.dispatch(Event.FIT_START, ctx)
     estimate = NoiseScaleEstimate(
         1.0, noise_scale, noise_scale, measurements, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0
@@ -319,7 +320,7 @@ def test_seesaw_past_the_factor_lr_scale_max_allows_is_warned(cap, warned):
     driven = SampleDrivenLR(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100), steps=100, total=6400)
     driven.attach(lambda: 0.0, steps=100, total=6400)
     features = Features([LRScaling("linear", base_batch_size=32, max_scale=cap), Seesaw(8, "linear")])
-    ctx = Context(micro_batch_size=32, run=_Cosine(driven), schedule=Schedule.constant(1))
+    ctx = Context(run=_Cosine(driven), plan=FitPlan(micro_batch_size=32, schedule=Schedule.constant(1)))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         features.dispatch(Event.FIT_START, ctx)
@@ -353,7 +354,7 @@ def test_adaptive_growth_is_held_to_the_peak_over_the_current_lr_and_says_so():
     driven.attach(lambda: 0.0, steps=100, total=8000)
     run = _Cosine(driven)
     growth = AdaptiveGrowth(target=1.0, max_factor=16)
-    features, ctx = Features([growth]), Context(micro_batch_size=8, run=run, factor=1)
+    features, ctx = Features([growth]), Context(run=run, factor=1, plan=FitPlan(micro_batch_size=8))
     features.dispatch(Event.FIT_START, ctx)
     sure = NoiseScaleEstimate(1.0, 100.0, 100.0, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)
     factors = []
@@ -380,7 +381,7 @@ def test_far_below_the_noise_scale_growth_passes_the_lr_schedules_bound_up_to_a_
     driven = SampleDrivenLR(torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100), steps=100, total=80_000)
     driven.attach(lambda: 0.0, steps=100, total=80_000)
     growth = AdaptiveGrowth(target=1.0, max_factor=64)
-    features, ctx = Features([growth]), Context(micro_batch_size=8, run=_Cosine(driven), factor=1)
+    features, ctx = Features([growth]), Context(run=_Cosine(driven), factor=1, plan=FitPlan(micro_batch_size=8))
     features.dispatch(Event.FIT_START, ctx)
     sure = NoiseScaleEstimate(1.0, 1000.0, 1000.0, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)
     factors = []
@@ -415,7 +416,7 @@ def test_past_lr_scale_max_a_scheduled_run_grows_only_to_a_tenth_of_the_noise_sc
     driven.attach(lambda: 0.0, steps=100, total=8000)
     growth = AdaptiveGrowth(target=1.0, max_factor=16)
     features = Features([LRScaling("linear", base_batch_size=8, max_scale=4), growth])
-    ctx = Context(micro_batch_size=8, run=_Cosine(driven) if scheduled else Run(), factor=1)
+    ctx = Context(run=_Cosine(driven) if scheduled else Run(), factor=1, plan=FitPlan(micro_batch_size=8))
     features.dispatch(Event.FIT_START, ctx)
     assert ctx.lr_cap_factor == 4
     sure = NoiseScaleEstimate(1.0, noise_scale, noise_scale, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)

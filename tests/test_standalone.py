@@ -30,7 +30,7 @@ import lightning_accum
 import lightning_accum.lightning_fabric
 import lightning_accum.pytorch_lightning
 from lightning_accum import ManualAccumulation
-from lightning_accum._lightning import (
+from lightning_accum.compat.lightning import (
     _FABRIC_NAMES,
     _TRAINER_NAMES,
     FabricNames,
@@ -38,7 +38,7 @@ from lightning_accum._lightning import (
     fabric_names,
     trainer_names,
 )
-from lightning_accum._versions import release
+from lightning_accum.compat.versions import release
 from lightning_accum.fabric import Accumulator
 from tests.helpers import (
     BACKENDS,
@@ -175,7 +175,7 @@ def test_lightnings_accumulation_callback_of_either_namespace_is_refused_beside_
 
 def test_errors_name_the_class_a_pytorch_lightning_user_imports():
     pytest.importorskip("deepspeed")
-    from lightning_accum._checks import check_trainer
+    from lightning_accum.trainer._checks import check_trainer
 
     stock = pl.strategies.DeepSpeedStrategy(stage=2)  # accumulates by itself, with one fixed factor
     trainer = standalone_trainer([scheduler := Scheduler({0: 2})], strategy=stock)
@@ -565,7 +565,7 @@ def test_a_standalone_trainer_of_an_unsupported_release_is_refused_before_the_fi
 
 
 def test_pyproject_declares_the_range_the_import_checks():
-    from lightning_accum._versions import LIGHTNING_CEILING, LIGHTNING_FLOOR, TORCH_FLOOR
+    from lightning_accum.compat.versions import LIGHTNING_CEILING, LIGHTNING_FLOOR, TORCH_FLOOR
 
     text = (ROOT / "pyproject.toml").read_text()
 
@@ -577,7 +577,7 @@ def test_pyproject_declares_the_range_the_import_checks():
 
 
 def test_the_supported_range_holds_the_installed_releases():
-    from lightning_accum._versions import check_lightning, check_torch
+    from lightning_accum.compat.versions import check_lightning, check_torch
 
     for package in (lightning, pl, lightning_fabric):
         check_lightning(package.__name__, package.__version__)

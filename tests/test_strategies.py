@@ -21,7 +21,7 @@ from lightning_accum import (
     ManualAccumulation,
     ModelParallelAccumulationStrategy,
 )
-from lightning_accum.sync import can_control, check_gradient_sync, skip_gradient_sync
+from lightning_accum.distributed.sync import can_control, check_gradient_sync, skip_gradient_sync
 from tests.helpers import (
     FSDP2,
     NO_FSDP2,

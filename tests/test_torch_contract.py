@@ -1,7 +1,7 @@
 """The torch-private names lightning_accum relies on, on the installed torch: CI runs this module on torch 2.9.1 (the
 FSDP2 floor), 2.13.0 and 2.14.1, and on torch 2.4.1, where FSDP2 is refused, the tests that need no FSDP2 unit.
 
-The FSDP2 state that lightning_accum/sync.py reads and clears: if these fail after a torch upgrade,
+The FSDP2 state that lightning_accum/distributed/sync.py reads and clears: if these fail after a torch upgrade,
 ``fsdp2_pending_gradients`` and ``drop_fsdp2_pending_gradients`` must be revisited (an abandoned window's gradients
 would leak into the next one, or a step on unreduced gradients would go unnoticed). The param groups' comm objects
 that ``FSDP2CollectiveGuard`` wraps, and the keywords FSDP2 calls them with (else a unit that one rank skips would
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_accum._torch import fully_shard
-from lightning_accum.sync import (
+from lightning_accum.compat.torch import fully_shard
+from lightning_accum.distributed.sync import (
     FORWARD_END,
     FSDP2CollectiveGuard,
     drop_fsdp2_pending_gradients,
@@ -158,7 +158,7 @@ def test_flatten_dense_tensors_concatenates_any_shapes_and_layouts_into_one_new_
 def test_each_fsdp2_unit_yields_its_param_groups_on_this_torch_and_on_older_ones(one_rank_mesh):
     from types import SimpleNamespace
 
-    from lightning_accum.sync import param_groups_of
+    from lightning_accum.distributed.sync import param_groups_of
 
     net = _sharded(one_rank_mesh)
     states = [m._get_fsdp_state() for m in net.modules() if hasattr(m, "_get_fsdp_state")]
@@ -171,12 +171,13 @@ def test_each_fsdp2_unit_yields_its_param_groups_on_this_torch_and_on_older_ones
 
 
 def test_fsdp2_weights_make_the_window_the_float32_weighted_sum_rounded_once(one_rank_mesh):
-    """lightning_accum/fsdp2_precision.py relies on FSDP2 (torch 2.13) keeping each unit's ``_unsharded_param`` from
-    one iteration to the next (its post-accumulate-grad hook stays), reducing ``unsharded_accumulated_grad`` when one
-    is set, and calling a param group's ``_all_reduce_hook`` on the reduced shard in the reduce dtype before casting it
-    to the shard's dtype. Then three bfloat16 micro-batches weighted 1/3, 1/6 and 1/2 and scaled by 1.25 give the
+    """lightning_accum/distributed/fsdp2_precision.py relies on FSDP2 (torch 2.13) keeping each unit's
+    ``_unsharded_param`` from one iteration to the next (its post-accumulate-grad hook stays), reducing
+    ``unsharded_accumulated_grad`` when one is set, and calling a param group's ``_all_reduce_hook`` on the reduced
+    shard in the reduce dtype before casting it to the shard's dtype. Then three bfloat16 micro-batches weighted 1/3,
+    1/6 and 1/2 and scaled by 1.25 give the
     correctly rounded float32 result, where the same weights on the bfloat16 losses do not."""
-    from lightning_accum.fsdp2_precision import FSDP2Weights, widen_reduce_dtype
+    from lightning_accum.distributed.fsdp2_precision import FSDP2Weights, widen_reduce_dtype
 
     x = torch.randn(9, 3)
     weights, scale = [1 / 3, 1 / 6, 1 / 2], 1.25
@@ -227,7 +228,7 @@ def test_fsdp2_weights_serve_a_unit_frozen_at_the_start_and_unfrozen_later(one_r
     """A backbone frozen when the fit starts and unfrozen after a step (``BackboneFinetuning``): its unit must already
     reduce in float32, else FSDP2 hands a float32 reduced gradient to a bfloat16 parameter (it raised in
     ``foreach_reduce``). Its first window is the correctly rounded weighted sum, as the other unit's."""
-    from lightning_accum.fsdp2_precision import FSDP2Weights, widen_reduce_dtype
+    from lightning_accum.distributed.fsdp2_precision import FSDP2Weights, widen_reduce_dtype
 
     x = torch.randn(6, 3)
     net = _sharded(one_rank_mesh, torch.bfloat16)

@@ -1,8 +1,8 @@
 """Every torch from 2.4: what lightning_accum finds in the installed torch, and FSDP2 refused where it is not tested.
 
 The FSDP2 mechanics (one reduction per window, float32 accumulation, the noise scale on unsharded gradients, the
-collective guard) read FSDP2 state that is tested exact from ``lightning_accum._torch.FSDP2_FLOOR`` on. Below it, a
-model with ``fully_shard`` units is refused before any optimizer step, in the Trainer (with
+collective guard) read FSDP2 state that is tested exact from ``lightning_accum.compat.torch.FSDP2_FLOOR`` on. Below it,
+a model with ``fully_shard`` units is refused before any optimizer step, in the Trainer (with
 ``ModelParallelAccumulationStrategy``, or the callback under stock ``ModelParallelStrategy``) and in Fabric (the
 ``Accumulator``), naming the torch release it needs. Here the refusal is tested on every torch (the floor raised above
 the installed release where the installed one is new enough), in one process; on a torch below the floor (CI's oldest
@@ -28,10 +28,11 @@ from lightning.fabric.strategies import ModelParallelStrategy as FabricModelPara
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
-from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy, _torch
-from lightning_accum._versions import TORCH_FLOOR
+from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy
+from lightning_accum.compat import torch as _torch
+from lightning_accum.compat.versions import TORCH_FLOOR
+from lightning_accum.distributed.sync import skip_gradient_sync
 from lightning_accum.fabric import Accumulator
-from lightning_accum.sync import skip_gradient_sync
 from tests.helpers import FSDP2, RegressionModule, launch_environment, loader, make_data, make_net, trainer
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -60,8 +61,8 @@ def test_the_fsdp2_names_are_found_in_the_installed_torch():
 
 
 def test_the_private_torch_names_read_outside_fsdp2_are_in_the_installed_torch():
-    # cached() (lightning_accum/coupled.py) and the batch-norm warning (_checks.py) read these on every torch; the
-    # FSDP2 state is pinned in tests/test_torch_contract.py where FSDP2 runs
+    # cached() (lightning_accum/distributed/coupled.py) and the batch-norm warning (_checks.py) read these on every
+    # torch; the FSDP2 state is pinned in tests/test_torch_contract.py where FSDP2 runs
     from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
     from torch.utils import _pytree as pytree
     from torch.utils.checkpoint import get_device_states, set_device_states
@@ -139,10 +140,10 @@ MOVED = (
 
 
 def test_no_module_but_the_version_layer_imports_what_moved_between_torch_releases():
-    # FSDP2 and DTensor sit in other modules before torch 2.6 and 2.5: only lightning_accum/_torch.py finds them, and
-    # there only inside functions; elsewhere FSDP1's `FullyShardedDataParallel` (the same in every release) may be
+    # FSDP2 and DTensor sit in other modules before torch 2.6 and 2.5: only lightning_accum/compat/torch.py finds them,
+    # and there only inside functions; elsewhere FSDP1's `FullyShardedDataParallel` (the same in every release) may be
     # imported inside a function
-    package = Path(_torch.__file__).parent
+    package = Path(_torch.__file__).parents[1]  # lightning_accum/, of lightning_accum/compat/torch.py
     found = []
     for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -151,7 +152,7 @@ def test_no_module_but_the_version_layer_imports_what_moved_between_torch_releas
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(MOVED):
                 names = {alias.name for alias in node.names}
                 fsdp1 = node.module == "torch.distributed.fsdp" and names <= {"FullyShardedDataParallel"}
-                if id(node) in top or not (fsdp1 or path.name == "_torch.py"):
+                if id(node) in top or not (fsdp1 or path.relative_to(package).as_posix() == "compat/torch.py"):
                     found.append(f"{path.relative_to(package)}:{node.lineno} from {node.module} import {names}")
             elif isinstance(node, ast.Import) and any(a.name.startswith(MOVED) for a in node.names):
                 found.append(f"{path.relative_to(package)}:{node.lineno}")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_accum.window import Window
+from lightning_accum.core.window import Window
 
 
 def test_a_full_window_closes_and_needs_no_correction():

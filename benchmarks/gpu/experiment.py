@@ -32,7 +32,7 @@ import lightning.pytorch as pl  # noqa: E402
 from harness import MIB, Clock, Report, arguments, byte_tokens, device, gpt2, quiet, release, trainer  # noqa: E402
 
 from lightning_accum import AccumulationScheduler  # noqa: E402
-from lightning_accum.split import is_out_of_memory  # noqa: E402
+from lightning_accum.core.split import is_out_of_memory  # noqa: E402
 
 STEPS = 3  # the first is not timed (kernel selection, allocator warm-up)
 HELD_OUT = 8

@@ -26,7 +26,7 @@ import lightning.pytorch as pl  # noqa: E402
 from harness import Report, arguments, device, max_deviation, quiet, trainer, weights  # noqa: E402
 
 from lightning_accum import AccumulationScheduler, FSDPAccumulationStrategy, ModelParallelAccumulationStrategy  # noqa: E402
-from lightning_accum._torch import has_fsdp2_mechanics  # noqa: E402
+from lightning_accum.compat.torch import has_fsdp2_mechanics  # noqa: E402
 
 FACTOR, MICRO_BATCH, BATCHES, EPOCHS, LR, EXACT = 3, 8, 8, 2, 0.1, 1e-6
 
@@ -51,7 +51,7 @@ class Regression(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.fsdp2:
-            from lightning_accum._torch import fully_shard
+            from lightning_accum.compat.torch import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
             for layer in self.net:

@@ -31,7 +31,7 @@ from common import MLP, WIDTH  # noqa: E402
 from harness import MIB, Report, arguments, quiet, trainer  # noqa: E402
 
 from lightning_accum import AccumulationScheduler  # noqa: E402
-from lightning_accum.monitor import resident_bytes  # noqa: E402
+from lightning_accum.core.monitor import resident_bytes  # noqa: E402
 
 FACTOR, STEPS = 2, 6
 

@@ -15,12 +15,12 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_accum._lightning import fabric_names
-from lightning_accum._torch import require_fsdp2
-from lightning_accum.sample_driven_lr import SampleDrivenLR
-from lightning_accum.schedule import check_bool
-from lightning_accum.sync import fsdp2_modules
-from lightning_accum.window import Window
+from lightning_accum.compat.lightning import fabric_names
+from lightning_accum.compat.torch import require_fsdp2
+from lightning_accum.core.sample_driven_lr import SampleDrivenLR
+from lightning_accum.core.schedule import check_bool
+from lightning_accum.core.window import Window
+from lightning_accum.distributed.sync import fsdp2_modules
 
 # optimizers an open Accumulator steps -> the ids of their parameters
 _IN_USE: weakref.WeakKeyDictionary[torch.optim.Optimizer, frozenset[int]] = weakref.WeakKeyDictionary()

@@ -1,12 +1,12 @@
 """The Accumulator's place in its loader's samples, so that a resumed epoch starts where the run stopped.
 
 A resumed epoch starts at the first sample the run had not consumed, on any number of ranks, and a Fabric loader's
-sampler gets the run's epoch. Fabric glue over :class:`~lightning_accum.data_position.DataPosition`: around each call
-of ``Accumulator.batches``, the loader's batch sampler draws from a :class:`~lightning_accum.data_position.Dealt`
-sampler where the run's order must be kept or its epoch resumed, and gets its own sampler back when the call ends.
-Fabric's loader wrapper sets the sampler's epoch to the number of times that process iterated it (a private count,
-``_num_iter_calls``, pinned by ``tests/test_lightning_contract.py``): it is given the run's epoch, so a run resumed in
-a new process trains the epoch's own order.
+sampler gets the run's epoch. Fabric glue over :class:`~lightning_accum.core.data_position.DataPosition`: around each
+call of ``Accumulator.batches``, the loader's batch sampler draws from a
+:class:`~lightning_accum.core.data_position.Dealt` sampler where the run's order must be kept or its epoch resumed, and
+gets its own sampler back when the call ends. Fabric's loader wrapper sets the sampler's epoch to the number of times
+that process iterated it (a private count, ``_num_iter_calls``, pinned by ``tests/test_lightning_contract.py``): it is
+given the run's epoch, so a run resumed in a new process trains the epoch's own order.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 from lightning.fabric import Fabric
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_accum.data_position import DataPosition, Dealt, sampler_ranks
+from lightning_accum.core.data_position import DataPosition, Dealt
+from lightning_accum.core.fit import sampler_ranks
 
 
 class LoaderPosition:

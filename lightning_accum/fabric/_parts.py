@@ -1,8 +1,8 @@
 """The micro-steps of a Fabric window: its loader batches, each whole or, for the noise scale, in two halves.
 
 A window the noise scale measures at factor 1 on one process holds one loader batch, whose one gradient has nothing to
-be compared with. As the Trainer's micro-batcher does (:mod:`lightning_accum._microbatch`), that batch runs as two
-halves, two micro-steps of one window: each is weighed by its share of the batch's rows (item weighting weighs them
+be compared with. As the Trainer's micro-batcher does (:mod:`lightning_accum.trainer._microbatch`), that batch runs as
+two halves, two micro-steps of one window: each is weighed by its share of the batch's rows (item weighting weighs them
 by their items instead), so that the step is the step on the whole batch. The window, the factor and the sample
 counts still count loader batches; the loss and items the features read at a loader batch's end are the whole
 batch's (:class:`LoaderBatch`).
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_accum.split import batch_rows, split_batch, split_problem
+from lightning_accum.core.split import batch_rows, split_batch, split_problem
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ def check_halves(batch: Any) -> None:
     """Refuse, at the run's first loader batch, a batch the noise scale's halves could not split.
 
     Raises:
-        ValueError: If :func:`~lightning_accum.split.split_problem` finds a problem, naming the batch's type and it.
+        ValueError: If :func:`~lightning_accum.core.split.split_problem` finds a problem, naming the batch's type and
+        it.
     """
     problem = split_problem(batch)
     if problem is not None:
@@ -71,7 +72,7 @@ def check_halves(batch: Any) -> None:
         raise ValueError(
             f"adaptive=True measures a window of one loader batch (factor 1, one process) in two halves, but a"
             f" loader batch of type {kind} cannot be split: {problem}. Either teach the splitter the batch with"
-            f" `lightning_accum.split.register_splitter({kind}, fn)` (see docs/microbatching.md), or start the"
+            f" `lightning_accum.core.split.register_splitter({kind}, fn)` (see docs/microbatching.md), or start the"
             " schedule at factor 2 (scheduling={0: 2}), where a window has two micro-batches to compare"
         )
 

@@ -1,8 +1,8 @@
 """FabricRun: the features' read-only view of a Lightning Fabric loop, and the actions they may ask of it.
 
-The Fabric shell's counterpart of ``lightning_accum._run.TrainerRun``: the features
-(:mod:`lightning_accum.features`) see a Fabric run through the same :class:`~lightning_accum.events.Run` interface as a
-Trainer's. What Fabric has no notion of (LR schedulers it steps, a progress bar) answers as the base class does.
+The Fabric shell's counterpart of ``lightning_accum.trainer._run.TrainerRun``: the features
+(:mod:`lightning_accum.features`) see a Fabric run through the same :class:`~lightning_accum.core.events.Run` interface
+as a Trainer's. What Fabric has no notion of (LR schedulers it steps, a progress bar) answers as the base class does.
 
 Lightning glue: it reads the Fabric's strategy, its loggers and its precision plugin; the model's data-parallel
 wrapper is the module Fabric's strategy wrapped (``_FabricModule._forward_module``, pinned by
@@ -18,10 +18,10 @@ import torch
 from lightning.fabric import Fabric
 from torch import nn
 
-from lightning_accum._lightning import fabric_names
-from lightning_accum.events import DataParallel, Run
-from lightning_accum.sync import fsdp2_modules
-from lightning_accum.zero import config_stage
+from lightning_accum.compat.lightning import fabric_names
+from lightning_accum.core.events import DataParallel, Run
+from lightning_accum.distributed.sync import fsdp2_modules
+from lightning_accum.distributed.zero import config_stage
 
 
 class FabricRun(Run):
@@ -61,6 +61,10 @@ class FabricRun(Run):
     @property
     def owner(self) -> str:  # noqa: D102 (Run's)
         return "Accumulator"
+
+    @property
+    def names(self) -> Any:  # noqa: D102
+        return fabric_names(self._fabric)
 
     @property
     def epoch(self) -> int:  # noqa: D102 (Run's)

@@ -10,17 +10,21 @@ Fabric's private ``_FabricModule._forward_module`` and the wrapper's strategy it
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 from lightning.fabric import Fabric
 
-from lightning_accum._lightning import fabric_names, is_fabric
+from lightning_accum.compat.lightning import fabric_names, is_fabric
+from lightning_accum.core.fit import FitPlan, sampler_ranks
+from lightning_accum.core.precision import scale_in_place
+from lightning_accum.core.schedule import Schedule, ScheduleSpec
+from lightning_accum.distributed.sync import drop_fsdp2_pending_gradients
+from lightning_accum.distributed.zero import drop_window, updating_optimizer
+from lightning_accum.fabric._ranks import agree_on_loaders
 from lightning_accum.fabric.deepspeed import DeepSpeedAccumulationMixin
-from lightning_accum.precision import scale_in_place
-from lightning_accum.schedule import Schedule, ScheduleSpec
-from lightning_accum.sync import drop_fsdp2_pending_gradients
-from lightning_accum.zero import drop_window, updating_optimizer
 
 
 def set_up_model(fabric: Fabric, model: Any) -> tuple[Any, torch.nn.Module]:
@@ -93,6 +97,39 @@ def drop_pending(fabric: Fabric, wrapped: Any, forward_module: torch.nn.Module) 
         drop_window(wrapped)
     else:
         drop_fsdp2_pending_gradients(forward_module)
+
+
+def fit_plan(
+    fabric: Fabric, iterable: Any, spec: ScheduleSpec, plan: FitPlan | None, world_size: int, start: tuple[int, int]
+) -> FitPlan:
+    """The facts of the fit at its first epoch (no ``plan`` yet), or ``plan`` with those of a later epoch's iterable.
+
+    The ranks agree on the micro-batch size and the length of ``iterable`` (:func:`agree_on_loaders`); the schedule is
+    built once, at the first epoch, from the size they share on ``world_size`` data-parallel ranks. ``start``: the
+    epoch and the optimizer steps the fit starts at.
+
+    Raises:
+        ValueError: On every rank, if the ranks' loaders differ in length or in batch size.
+    """
+    rows, sized = loader_batch_size(iterable), hasattr(iterable, "__len__")
+    length = len(iterable) if sized else None
+    size = agree_on_loaders(fabric, spec.micro_batch_size or rows, length, given=spec.micro_batch_size)
+    batches = math.inf if length is None else float(length)
+    if plan is not None:  # a later epoch: its iterable's sizes, the fit's schedule
+        return replace(plan, micro_batch_size=size, loader_batch_size=rows, batches_per_epoch=batches)
+    epoch, steps = start
+    return FitPlan(
+        size,
+        world_size,
+        rows,
+        sampler_ranks(fabric.strategy),
+        batches,
+        schedule=spec.build(size, world_size),
+        epoch=epoch,
+        optimizer_steps=steps,
+        resumed=steps > 0,
+        names=fabric_names(fabric),
+    )
 
 
 def plan_epoch(

@@ -4,9 +4,9 @@ The Fabric shell over the core :class:`~lightning_accum.AccumulationScheduler` u
 needs: the windows over the user's iterable (:meth:`Accumulator.batches`: each window fetched at its start), one
 micro-step's gradient sync under Fabric's strategy and its backward through ``fabric.backward``
 (:meth:`Accumulator.micro_step`), the checks a hand-written loop needs, and the state ``fabric.save`` carries. The
-schedule and its target-batch arithmetic (:mod:`lightning_accum.schedule`), the window
-(:mod:`lightning_accum.window`), the sync policies (:mod:`lightning_accum.sync`) and every feature the loop runs
-(token count, item weighting, wide accumulation, LR scaling, metrics: :mod:`lightning_accum.features`) are the
+schedule and its target-batch arithmetic (:mod:`lightning_accum.core.schedule`), the window
+(:mod:`lightning_accum.core.window`), the sync policies (:mod:`lightning_accum.distributed.sync`) and every feature the
+loop runs (token count, item weighting, wide accumulation, LR scaling, metrics: :mod:`lightning_accum.features`) are the
 callback's own, driven through the same window events; the features see Fabric through
 :class:`~lightning_accum.fabric._run.FabricRun`.
 
@@ -26,9 +26,15 @@ from typing import Any, Literal
 import torch
 from lightning.fabric import Fabric
 
-from lightning_accum._lightning import fabric_names
-from lightning_accum.adaptive import check_needs_noise_scale
-from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.compat.lightning import fabric_names
+from lightning_accum.core.adaptive import check_needs_noise_scale
+from lightning_accum.core.events import Context, Event, Feature, Features
+from lightning_accum.core.precision import accumulation_dtype
+from lightning_accum.core.sample_driven_lr import SampleDrivenLR
+from lightning_accum.core.schedule import Budget, Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
+from lightning_accum.core.seesaw import check_seesaw
+from lightning_accum.core.window import Window
+from lightning_accum.distributed.sync import check_gradient_sync, skip_gradient_sync
 from lightning_accum.fabric._checks import (
     check_backed,
     check_between_windows,
@@ -43,12 +49,12 @@ from lightning_accum.fabric._checks import (
 )
 from lightning_accum.fabric._data import LoaderPosition
 from lightning_accum.fabric._parts import LoaderBatch, Piece, check_halves, pieces
-from lightning_accum.fabric._ranks import agree_on_loaders, agree_on_window, over_ranks
+from lightning_accum.fabric._ranks import agree_on_window, over_ranks
 from lightning_accum.fabric._run import FabricRun
 from lightning_accum.fabric._setup import (
     data_parallel,
     drop_pending,
-    loader_batch_size,
+    fit_plan,
     plan_epoch,
     scale_window,
     set_up_model,
@@ -67,12 +73,6 @@ from lightning_accum.features import (
     TokenCount,
     WideAccumulation,
 )
-from lightning_accum.precision import accumulation_dtype
-from lightning_accum.sample_driven_lr import SampleDrivenLR
-from lightning_accum.schedule import Budget, Schedule, ScheduleSpec, check_bool, check_int, plan_run, run_epoch
-from lightning_accum.seesaw import check_seesaw
-from lightning_accum.sync import check_gradient_sync, skip_gradient_sync
-from lightning_accum.window import Window
 
 
 class Accumulator:
@@ -215,10 +215,8 @@ class Accumulator:
         self._group, data_parallel_size = data_parallel(fabric)
         if micro_batch_size is not None:  # a target batch that cannot be reached is refused now, naming the numbers
             self._spec.build(micro_batch_size, data_parallel_size)
-        self._schedule: Schedule | None = None  # built at the first epoch, from the micro-batch size the ranks share
         self._epoch, self._in_epoch = 0, 0  # epochs completed (calls of `batches` that reached the end); its batches
         self._data = LoaderPosition(fabric)  # the place in the loader's samples, on any number of ranks
-        self._epoch_length = math.inf  # the iterable's length in the epoch in progress
         self._max_steps = -1
         self._active: MicroStep | None = None  # the micro-step whose block is open
         self._offered: Any = None  # the micro-batch `batches` yielded last, until its micro-step begins
@@ -234,7 +232,7 @@ class Accumulator:
             self._policy,
             log_every,
             epoch=lambda: self._epoch,
-            batches_per_epoch=lambda: self._epoch_length,
+            batches_per_epoch=lambda: ctx.plan.batches_per_epoch,
             max_steps=lambda: self._max_steps,
             lr_schedulers=driven(lr_scheduler, self._optimizer),
         )
@@ -290,18 +288,19 @@ class Accumulator:
 
             lr_max_steps = min(epochs * accumulator.steps_per_epoch(train_dataloader), max_steps)
         """
-        schedule, batches, per_micro_step = self._plan(iterable)
+        schedule, batches, per_micro_step = self._epoch_plan(iterable)
         ctx = self._ctx
         position = (self._epoch, 0, ctx.optimizer_steps, ctx.samples_seen)
         return run_epoch(schedule, batches, *position, -1, per_micro_step, 1, ctx.tokens_seen)[1]
 
     def total_steps(self, iterable: Iterable[Any], epochs: int, max_steps: int = -1) -> int:
         """The optimizer steps of ``epochs`` epochs of ``iterable`` from step 0, to size an LR schedule (as above)."""
-        schedule, batches, per_micro_step = self._plan(iterable)
+        schedule, batches, per_micro_step = self._epoch_plan(iterable)
         return plan_run(schedule, batches, epochs, max_steps, per_micro_step)[0]
 
-    def _plan(self, iterable: Iterable[Any]) -> tuple[Schedule, int, int]:
-        return plan_epoch(iterable, self._spec, self._schedule, self._ctx.micro_batch_size, self._ctx.world_size)
+    def _epoch_plan(self, iterable: Iterable[Any]) -> tuple[Schedule, int, int]:
+        plan = self._ctx.plan  # before the first epoch: nothing known, the schedule built from the iterable's size
+        return plan_epoch(iterable, self._spec, plan.schedule, plan.micro_batch_size, self._ctx.world_size)
 
     # ------------------------------------------------------------------ the windows of an epoch
 
@@ -361,14 +360,12 @@ class Accumulator:
     def _start_epoch(self, iterable: Iterable[Any]) -> None:
         ctx = self._ctx
         self._check_between_windows("Accumulator.batches")
-        sized = hasattr(iterable, "__len__")
-        self._epoch_length = float(len(iterable)) if sized else math.inf  # type: ignore[arg-type]
-        size = self._spec.micro_batch_size or loader_batch_size(iterable)
-        length = len(iterable) if sized else None  # type: ignore[arg-type]
-        ctx.micro_batch_size = agree_on_loaders(self._fabric, size, length, given=self._spec.micro_batch_size)
-        if self._schedule is None:  # the run's first epoch
-            self._schedule = self._spec.build(ctx.micro_batch_size, ctx.world_size)
-            ctx.schedule, ctx.factor = self._schedule, self._scheduled_factor()
+        made = ctx.plan if ctx.plan.schedule is not None else None  # at the run's first epoch the plan is made
+        plan = fit_plan(self._fabric, iterable, self._spec, made, ctx.world_size, (self._epoch, ctx.optimizer_steps))
+        if made is not None:  # a later epoch: its iterable's sizes
+            ctx.plan = plan
+        else:
+            ctx.start(plan)
             ctx.optimizers, ctx.summary = [self._optimizer], []
             self._features.dispatch(Event.FIT_START, ctx)
             self._data.data.say_global_batch(ctx, self._spec.target_batch_size, "adaptive" in self._features)
@@ -382,14 +379,16 @@ class Accumulator:
     def _fetch(self, iterator: Iterator[Any]) -> list[Piece]:
         """Open the next window with the micro-steps it holds (none: the epoch ended)."""
         ctx = self._ctx
-        ctx.factor = self._scheduled_factor()
+        ctx.factor = ctx.scheduled_factor(self._epoch)
         self._features.dispatch(Event.WINDOW_OPENING, ctx)
-        ctx.factor = int(min(ctx.factor, self._epoch_length))  # what a window can hold, for the LR and the logs
+        ctx.factor = int(min(ctx.factor, ctx.plan.batches_per_epoch))  # what a window can hold, for the LR and the logs
         window = list(itertools.islice(iterator, ctx.factor))
-        if math.isinf(self._epoch_length):  # unsized loaders: the ranks agree on every window before its backward
+        if math.isinf(
+            ctx.plan.batches_per_epoch
+        ):  # unsized loaders: the ranks agree on every window before its backward
             agree_on_window(self._fabric, len(window), step=ctx.optimizer_steps + 1)
         # the window that empties the iterable ends the epoch: a short one, or the last of a sized iterable's
-        self._ends_epoch = len(window) < ctx.factor or self._in_call + len(window) >= self._epoch_length
+        self._ends_epoch = len(window) < ctx.factor or self._in_call + len(window) >= ctx.plan.batches_per_epoch
         if window and self._halves is not None:  # the run's first loader batch, where halves may be asked for
             self._halves = None
             check_halves(window[0])
@@ -400,12 +399,6 @@ class Accumulator:
             self._features.dispatch(Event.WINDOW_OPENED, ctx)
             self._pieces = pieces(window, ctx.noise_parts)  # a measured window of one batch: in halves
         return self._pieces
-
-    def _scheduled_factor(self) -> int:
-        ctx, schedule = self._ctx, self._schedule
-        assert schedule is not None, "built at the first epoch"
-        position = {"epoch": self._epoch, "step": ctx.optimizer_steps, "sample": ctx.samples_seen}
-        return schedule.factor_at(position.get(schedule.unit, ctx.tokens_seen))
 
     # ------------------------------------------------------------------ one micro-step
 
@@ -427,7 +420,7 @@ class Accumulator:
         piece, self._offered = self._pieces[self._begun], None
         if piece.first:  # the window counts loader batches: opened with what it holds, closes at its last
             ctx.window.take(ends_epoch=False)
-        micro = MicroStep(self, self._begun, len(self._pieces))
+        micro = MicroStep(self._backward, self._begun, len(self._pieces))
         self._begun += 1
         ctx.batch, ctx.batch_idx, ctx.last_backward = batch, self._in_epoch, micro.should_step
         ctx.gradient_scale = ctx.window.gradient_correction  # what the window's last backward scales by, if it does

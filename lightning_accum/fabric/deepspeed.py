@@ -3,11 +3,12 @@
 Fabric's ``DeepSpeedStrategy`` leaves accumulation to DeepSpeed's config: with the default
 ``gradient_accumulation_steps`` of 1 every backward is a boundary, and a loop that sets it and also divides the loss
 gets it divided twice. This strategy configures DeepSpeed's *unmanaged* accumulation
-(:func:`lightning_accum.zero.unmanaged_config`, as the Trainer's ``lightning_accum.DeepSpeedAccumulationStrategy``):
-``engine.backward`` only accumulates, and every ``optimizer.step()`` is one optimizer step over the window
-:class:`~lightning_accum.fabric.Accumulator` decided, whose scale (a window weighed by its tokens) is folded into
-ZeRO's loss scale for that step (:class:`~lightning_accum.zero.FoldedScale`). Gradient clipping comes from the
-DeepSpeed config (``gradient_clipping``), as Fabric refuses ``clip_gradients`` under DeepSpeed.
+(:func:`lightning_accum.distributed.zero.unmanaged_config`, as the Trainer's
+``lightning_accum.DeepSpeedAccumulationStrategy``): ``engine.backward`` only accumulates, and every ``optimizer.step()``
+is one optimizer step over the window :class:`~lightning_accum.fabric.Accumulator` decided, whose scale (a window
+weighed by its tokens) is folded into ZeRO's loss scale for that step
+(:class:`~lightning_accum.distributed.zero.FoldedScale`). Gradient clipping comes from the DeepSpeed config
+(``gradient_clipping``), as Fabric refuses ``clip_gradients`` under DeepSpeed.
 
 On CPU (for testing, with gloo) the checks Fabric's ``DeepSpeedStrategy`` makes for CUDA are skipped.
 """
@@ -19,8 +20,8 @@ from typing import Any
 import torch
 from lightning.fabric.strategies import DeepSpeedStrategy
 
-from lightning_accum._lightning import fabric_names
-from lightning_accum.zero import FoldedScale, initialize_on_rank, unmanaged_config
+from lightning_accum.compat.lightning import fabric_names
+from lightning_accum.distributed.zero import FoldedScale, initialize_on_rank, unmanaged_config
 
 
 class _DeepSpeedOnCPU:

@@ -5,12 +5,10 @@ And its backward's checks: once, inside its block, of the micro-batch's mean los
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import torch
-
-if TYPE_CHECKING:
-    from lightning_accum.fabric.accumulator import Accumulator
 
 
 class MicroStep:
@@ -22,8 +20,8 @@ class MicroStep:
             loader batch the noise scale measures in halves: 2).
     """
 
-    def __init__(self, accumulator: Accumulator, index: int, size: int) -> None:
-        self._accumulator = accumulator
+    def __init__(self, backward: Callable[[MicroStep, torch.Tensor, str], None], index: int, size: int) -> None:
+        self._backward = backward  # the Accumulator's, which checks the call and runs it through fabric.backward
         self.index, self.size = index, size
         self.loss: torch.Tensor | None = None  # the micro-batch's mean loss, detached, once backward ran
 
@@ -44,7 +42,7 @@ class MicroStep:
             RuntimeError: Outside its ``micro_step`` block, or a second time in it.
             ValueError: If ``reduction`` is unknown, or ``"sum"`` without item counts to divide by.
         """
-        self._accumulator._backward(self, loss, reduction)
+        self._backward(self, loss, reduction)
 
 
 def check_backward(inside: bool, again: bool) -> None:

@@ -1,8 +1,11 @@
-"""The callback's optional features, one module each; :mod:`lightning_accum.events` says how they are driven.
+"""The shells' optional features, one module each; :mod:`lightning_accum.core.events` says how they are driven.
 
-A feature module imports :mod:`lightning_accum.events` and the pure modules, never another feature module: what one
-feature needs from another reaches it through the :class:`~lightning_accum.events.Context`. The callback registers
-them, in dispatch order, in ``AccumulationScheduler.__init__``.
+A feature never imports another feature module: what one feature needs from another reaches it through the
+:class:`~lightning_accum.core.events.Context` (the fit's facts through ``ctx.plan``). Both shells register them, in
+dispatch order, in ``AccumulationScheduler.__init__`` and ``Accumulator.__init__``.
+
+May import: :mod:`lightning_accum.distributed`, :mod:`lightning_accum.core` and :mod:`lightning_accum.compat`; never
+the Trainer or its internals (a feature sees the run through ``ctx.run``), never a shell.
 """
 
 from lightning_accum.features.adaptive_growth import AdaptiveGrowth

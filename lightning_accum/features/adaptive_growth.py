@@ -1,15 +1,15 @@
 """Adaptive growth (``adaptive=True``): the factor follows the measured noise scale once the evidence is there.
 
 After each measured window, at the next window's opening, once enough fresh evidence stands behind the estimate
-(:func:`~lightning_accum.adaptive.ready`), rank zero asks the policy (:class:`~lightning_accum.adaptive.AdaptiveFactor`)
-for the factor the evidence calls for: it grows, at most doubling, to the largest factor whose batch is at most
-``target x`` the noise scale's lower confidence bound, and (with ``shrink``) comes down to the smallest one at least
-``target x`` its upper bound, the confidence spent over the tests made at one factor. Its answer is broadcast, so
-every rank opens the window with the same factor. The factor in force is the larger of the schedule's and the
-adaptive one.
+(:func:`~lightning_accum.core.adaptive.ready`), rank zero asks the policy
+(:class:`~lightning_accum.core.adaptive.AdaptiveFactor`) for the factor the evidence calls for: it grows, at most
+doubling, to the largest factor whose batch is at most ``target x`` the noise scale's lower confidence bound, and (with
+``shrink``) comes down to the smallest one at least ``target x`` its upper bound, the confidence spent over the tests
+made at one factor. Its answer is broadcast, so every rank opens the window with the same factor. The factor in force is
+the larger of the schedule's and the adaptive one.
 
 Reads ``ctx.noise`` (published by the noise scale, which checkpoints the evidence it comes from), at ``FIT_START``
-``ctx.run.max_steps``, ``ctx.run.lr_schedulers`` and ``ctx.planned_steps`` (to warn a run bounded by ``max_steps``
+``ctx.run.max_steps``, ``ctx.run.lr_schedulers`` and ``ctx.plan.planned_steps`` (to warn a run bounded by ``max_steps``
 whose LR schedule is moved by samples), and at ``WINDOW_OPENING`` ``ctx.lr_cap_factor`` (published by LR scaling,
 registered after it, at ``FIT_START``); raises ``ctx.factor`` and publishes ``ctx.factor_floor`` at ``FIT_START`` and
 ``WINDOW_OPENING``; adds its line to ``ctx.summary`` and its bounds to ``ctx.metrics``.
@@ -24,11 +24,11 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.adaptive import AdaptiveFactor, Decision, budget_bound, look, ready
-from lightning_accum.events import Context, Feature
-from lightning_accum.sample_driven_lr import SampleDrivenLR
-from lightning_accum.schedule import Schedule, check_bool
-from lightning_accum.seesaw import growth_bound
+from lightning_accum.core.adaptive import AdaptiveFactor, Decision, budget_bound, look, ready
+from lightning_accum.core.events import Context, Feature
+from lightning_accum.core.sample_driven_lr import SampleDrivenLR
+from lightning_accum.core.schedule import Schedule, check_bool
+from lightning_accum.core.seesaw import growth_bound
 
 
 class AdaptiveGrowth(Feature):
@@ -45,11 +45,11 @@ class AdaptiveGrowth(Feature):
         shrink: Whether the factor may come down again (never below the schedule's).
         lr_bound: Hold the factor, where the run has one :class:`~lightning_accum.SampleDrivenLR`, to the first
             window's factor times the LR schedule's peak so far over its current LR
-            (:func:`~lightning_accum.seesaw.growth_bound`), never past the factor where ``lr_scale_max`` stops the LR
-            rule (``ctx.lr_cap_factor``), or beyond to a batch of at most a tenth of the noise scale
-            (:func:`~lightning_accum.adaptive.budget_bound`): on a fixed budget a larger batch pays where the schedule
-            would have lowered the LR as much and the rule raises it with the batch, or where it costs at most a tenth
-            more examples. A run at a constant LR is not held: growth is its only decay.
+            (:func:`~lightning_accum.core.seesaw.growth_bound`), never past the factor where ``lr_scale_max`` stops the
+            LR rule (``ctx.lr_cap_factor``), or beyond to a batch of at most a tenth of the noise scale
+            (:func:`~lightning_accum.core.adaptive.budget_bound`): on a fixed budget a larger batch pays where the
+            schedule would have lowered the LR as much and the rule raises it with the batch, or where it costs at most
+            a tenth more examples. A run at a constant LR is not held: growth is its only decay.
 
     Raises:
         TypeError: If ``max_factor`` is not an integer, or ``shrink`` or ``lr_bound`` not a bool.
@@ -58,8 +58,8 @@ class AdaptiveGrowth(Feature):
 
     Example::
 
-        >>> from lightning_accum.events import Context, Event, Features
-        >>> from lightning_accum.noise import NoiseReading, NoiseScaleEstimate
+        >>> from lightning_accum.core.events import Context, Event, Features
+        >>> from lightning_accum.core.noise import NoiseReading, NoiseScaleEstimate
         >>> growth = AdaptiveGrowth(target=1.0, max_factor=16)
         >>> features, ctx = Features([growth]), Context(factor=2)
         >>> estimate = NoiseScaleEstimate(1.0, 100.0, 100.0, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)
@@ -100,7 +100,7 @@ class AdaptiveGrowth(Feature):
             self.factor = _carried(ctx, self.factor, self._world, self.policy.max_factor)
         self._world = ctx.world_size
         self._apply(ctx)
-        if 0 < ctx.run.max_steps <= ctx.planned_steps and any(
+        if 0 < ctx.run.max_steps <= ctx.plan.planned_steps and any(
             isinstance(s, SampleDrivenLR) for s, _, _ in ctx.run.lr_schedulers
         ):
             fabric = ctx.run.owner == "Accumulator"
@@ -169,10 +169,10 @@ class AdaptiveGrowth(Feature):
 
         Past ``lr_scale_max`` the rule no longer raises the LR with the batch, so growth there lowers the LR per
         sample on top of the schedule's own decay: only the noise scale's free share
-        (:func:`~lightning_accum.adaptive.budget_bound`) may take the factor further. Where no bound was read (``bound``
-        is ``None``: no ``SampleDrivenLR`` or two of them, or ``lr_bound=False``), nothing but ``max_factor`` bounds it:
-        at a constant rate growth past the cap is the run's only decay, which the noise scale calls for once the steps
-        are mostly noise.
+        (:func:`~lightning_accum.core.adaptive.budget_bound`) may take the factor further. Where no bound was read
+        (``bound`` is ``None``: no ``SampleDrivenLR`` or two of them, or ``lr_bound=False``), nothing but ``max_factor``
+        bounds it: at a constant rate growth past the cap is the run's only decay, which the noise scale calls for once
+        the steps are mostly noise.
         """
         if self.bound is None:
             return self.policy.max_factor
@@ -222,7 +222,7 @@ def _carried(ctx: Context, factor: int, world: int, max_factor: int) -> int:
     Raises:
         ValueError: Where that batch is no whole factor on these ranks, naming the nearest.
     """
-    micro, batch = ctx.micro_batch_size or 1, factor * world
+    micro, batch = ctx.plan.micro_batch_size or 1, factor * world
     if batch % ctx.world_size:
         near = max(1, round(batch / ctx.world_size))
         raise ValueError(

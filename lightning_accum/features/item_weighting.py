@@ -5,7 +5,7 @@ loss is re-weighed in place before its backward by ``items / typical_items`` (a 
 weighted losses near Lightning's), and at the window's end the accumulated gradient is scaled by the ratio of the
 typical window's items to the window's items on all ranks (one scalar all-reduce per optimizer step), so the step is
 that of the mean loss over every sample or token of the window. A window whose micro-batches all hold the typical
-count needs no scaling: the gradient is left as backward wrote it. Counting is in :mod:`lightning_accum.items`.
+count needs no scaling: the gradient is left as backward wrote it. Counting is in :mod:`lightning_accum.core.items`.
 
 Counts the device holds (tokens, a ``count_items`` tensor, any count on several ranks) stay there: the window's total
 and the gradient's scale are 0-d tensors, and the host waits for them only where it reads them anyway, on the fit's
@@ -30,8 +30,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature, takes_dataloader_iter
-from lightning_accum.items import (
+from lightning_accum.core.events import Context, Feature, takes_dataloader_iter
+from lightning_accum.core.items import (
     check_count,
     check_normalize_by,
     invalid_counts,
@@ -39,7 +39,7 @@ from lightning_accum.items import (
     make_counter,
     token_counter,
 )
-from lightning_accum.schedule import check_int
+from lightning_accum.core.schedule import check_int
 
 CHECKED_WINDOWS = 3
 """Windows of each fit whose device counts are read and checked before the step, besides the logged steps'."""
@@ -64,8 +64,8 @@ class ItemWeighting(Feature):
     Example::
 
         >>> import torch
-        >>> from lightning_accum.events import Context, Event, Features
-        >>> from lightning_accum.window import Window
+        >>> from lightning_accum.core.events import Context, Event, Features
+        >>> from lightning_accum.core.window import Window
         >>> features, ctx = Features([ItemWeighting("sample")]), Context(window=Window(size=2, taken=0, closed=False))
         >>> for rows in (3, 1):  # two micro-batches of 3 and 1 samples
         ...     ctx.batch, ctx.loss = torch.zeros(rows, 2), torch.ones(())

@@ -1,7 +1,7 @@
 """LR scaling (``lr_scaling``, ``base_batch_size``, ``lr_warmup_steps``, ``lr_scale_max``): the LR follows the batch.
 
 At each window's opening the scale's target is set from the factor's effective batch (linear or square-root rule of
-:mod:`lightning_accum.scaling`, capped at ``lr_scale_max``, with an optional warmup); a window that holds fewer
+:mod:`lightning_accum.core.scaling`, capped at ``lr_scale_max``, with an optional warmup); a window that holds fewer
 micro-batches than its factor (an epoch's last, ``limit_train_batches``, an epoch of unknown length that ends) steps at
 the rate of the batch it holds (past ``lr_scale_max``, with the full window's decay), without moving the warmup's
 target. The scale multiplies each param group's ``lr`` only while ``optimizer.step()`` runs, so LR schedulers keep
@@ -21,8 +21,8 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature
-from lightning_accum.scaling import (
+from lightning_accum.core.events import Context, Feature
+from lightning_accum.core.scaling import (
     SCALE_WARNING,
     ScaledStep,
     ScaleWarmup,
@@ -33,7 +33,7 @@ from lightning_accum.scaling import (
     lr_scale,
     lr_summary,
 )
-from lightning_accum.schedule import check_bool, check_int
+from lightning_accum.core.schedule import check_bool, check_int
 
 
 class LRScaling(Feature):
@@ -59,7 +59,7 @@ class LRScaling(Feature):
     Example::
 
         >>> import torch
-        >>> from lightning_accum.events import Context, Event, Features
+        >>> from lightning_accum.core.events import Context, Event, Features
         >>> param = torch.nn.Parameter(torch.zeros(1)); param.grad = torch.ones(1)
         >>> optimizer = torch.optim.SGD([param], lr=0.1)
         >>> features = Features([LRScaling("linear", base_batch_size=8)])
@@ -130,7 +130,7 @@ class LRScaling(Feature):
     def _resolve_base(self, ctx: Context) -> float:
         if self._configured_base is None:
             return float(ctx.effective_batch(ctx.factor))
-        if ctx.micro_batch_size is None:
+        if ctx.plan.micro_batch_size is None:
             raise ValueError(
                 f"`base_batch_size={self._configured_base}` is in samples, but the micro-batch size could not be read"
                 f" from the train dataloader's `batch_size`: pass `micro_batch_size` to {ctx.run.owner}"

@@ -1,14 +1,14 @@
 """Metrics and dashboard (``log_metrics=True``): the ``accum/...`` values of each optimizer step, through every logger.
 
 Registered last, so that at ``WINDOW_CLOSED`` it finds every other feature's values in ``ctx.metrics`` and logs them
-with its own (factor, effective batch, progress, window loss, throughput, memory; see :mod:`lightning_accum.monitor`)
-in one call per logger, every ``log_every_n_steps`` optimizer steps (published as ``ctx.log_every`` at ``FIT_START``,
-read by item weighting, which checks its device counts on the logged steps); what the device holds is read to the host
-in one read, on a logged step only; the run's constants (micro-batch size, world size) with the first logged step
-only. With the first logged step it writes the Custom Scalars layout (again only when a quantity appears later, such
-as the noise scale's first estimate: no other logged step builds it), and at ``FIT_START`` the run's summary line (the
-other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line of its own above the
-progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
+with its own (factor, effective batch, progress, window loss, throughput, memory; see
+:mod:`lightning_accum.core.monitor`) in one call per logger, every ``log_every_n_steps`` optimizer steps (published as
+``ctx.log_every`` at ``FIT_START``, read by item weighting, which checks its device counts on the logged steps); what
+the device holds is read to the host in one read, on a logged step only; the run's constants (micro-batch size, world
+size) with the first logged step only. With the first logged step it writes the Custom Scalars layout (again only when a
+quantity appears later, such as the noise scale's first estimate: no other logged step builds it), and at ``FIT_START``
+the run's summary line (the other features' phrases joined to its own) to TensorBoard's Text tab and the console (a line
+of its own above the progress bar, ``ctx.run.print``); whenever a window opens with another factor, effective batch or
 LR scale, it adds an entry saying what changed, at which optimizer step and sample. The progress bar shows the factor
 and the effective batch as integers, and says when a window was cut short (``ctx.run.show_in_progress_bar``).
 """
@@ -20,9 +20,9 @@ import time
 import torch
 from typing_extensions import override
 
-from lightning_accum._lightning import is_tensorboard
-from lightning_accum.events import Context, Feature
-from lightning_accum.monitor import StepRecord, batch_summary, memory_metrics, step_metrics, tensorboard_layout
+from lightning_accum.compat.lightning import is_tensorboard
+from lightning_accum.core.events import Context, Feature
+from lightning_accum.core.monitor import StepRecord, batch_summary, memory_metrics, step_metrics, tensorboard_layout
 
 CONSTANTS = ("accum/micro_batch_size", "accum/world_size")
 """What does not change within a fit: logged with its first logged step only."""
@@ -52,7 +52,9 @@ class Metrics(Feature):
         self._batch, self._tags, self._layout = None, set(), None
         ctx.log_every = ctx.run.log_every_n_steps if ctx.run.loggers else 0  # the same on every rank
         if ctx.is_global_zero:
-            self._write_summary(ctx, [batch_summary(ctx.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary])
+            self._write_summary(
+                ctx, [batch_summary(ctx.plan.micro_batch_size, ctx.factor, ctx.world_size), *ctx.summary]
+            )
 
     @override
     def window_opened(self, ctx: Context) -> None:
@@ -64,7 +66,7 @@ class Metrics(Feature):
         changes = []
         if self._batch is not None and batch != self._batch:
             changes.append(f"factor {self._batch[0]} -> {batch[0]}")
-            unit = "samples" if ctx.micro_batch_size is not None else "micro-batches"
+            unit = "samples" if ctx.plan.micro_batch_size is not None else "micro-batches"
             changes.append(f"effective batch {self._batch[1]} -> {batch[1]} {unit}")
         if self._batch is not None and (changes or ctx.summary) and ctx.is_global_zero:
             where = f"optimizer step {ctx.optimizer_steps}, {ctx.samples_seen} samples seen"
@@ -108,7 +110,7 @@ class Metrics(Feature):
         record = StepRecord(
             factor=ctx.factor,
             micro_steps_in_window=ctx.window.taken,
-            micro_batch_size=ctx.micro_batch_size,
+            micro_batch_size=ctx.plan.micro_batch_size,
             world_size=ctx.world_size,
             samples_seen=ctx.samples_seen,
             optimizer_steps=ctx.optimizer_steps,

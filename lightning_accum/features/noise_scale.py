@@ -2,14 +2,14 @@
 
 A window is measured when the optimizer step it ends in is a multiple of ``interval``; a logged step logs the latest
 estimate, whichever window it was measured on. For that window only, each trainable parameter (under FSDP2 its unsharded
-parameter: :mod:`lightning_accum.noise_grads`) gets a gradient hook (``Tensor.register_hook``): it sees the
+parameter: :mod:`lightning_accum.distributed.noise_grads`) gets a gradient hook (``Tensor.register_hook``): it sees the
 micro-batch's own gradient before autograd accumulates it (and before any reduction across ranks), squares it into an
 entry of a float32 vector allocated beforehand, and lets it go. ``.grad`` is never replaced, aliased or kept, and no
 tensor made inside a backward outlives it (one that did would make glibc page-fault the backward's large allocations
 afresh: 3.4x the page faults of a raw 4 x 1024 MLP loop). At the step, the window's mean is squared from ``.grad``
-(reduced and normalized, before clipping), and the squared norms become the two sums of :mod:`lightning_accum.noise`,
-whose averages decay per optimizer step (not per measured window, which would make them lag ``interval`` times as far);
-on several ranks the micro-batch sums are added over the ranks in one all-reduce (with FSDP2's shard squares), so every
+(reduced and normalized, before clipping), and the squared norms become the two sums of ``core.noise``, whose
+averages decay per optimizer step (not per measured window, which would make them lag ``interval`` times as far); on
+several ranks the micro-batch sums are added over the ranks in one all-reduce (with FSDP2's shard squares), so every
 rank holds the same estimate. On the other windows nothing runs. With ``adaptive``, on one process where the schedule
 can give factor 1, a measured window of one loader batch asks for two halves (``ctx.noise_parts``), run as two
 micro-batches (the Trainer's micro-batcher, the Accumulator's ``batches``), so the window has two gradients to compare.
@@ -28,12 +28,12 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-import lightning_accum.noise_grads as noise_grads
-from lightning_accum.adaptive import check_evidence
-from lightning_accum.events import Context, Feature, takes_dataloader_iter
-from lightning_accum.items import count_samples
-from lightning_accum.noise import NoiseMeasurement, NoiseReading, NoiseScaleEstimate, NoiseScaleEstimator, window_sums
-from lightning_accum.schedule import check_int
+import lightning_accum.distributed.noise_grads as noise_grads
+from lightning_accum.core import noise
+from lightning_accum.core.adaptive import check_evidence
+from lightning_accum.core.events import Context, Feature, takes_dataloader_iter
+from lightning_accum.core.items import count_samples
+from lightning_accum.core.schedule import check_int
 
 
 class NoiseScale(Feature):
@@ -57,13 +57,13 @@ class NoiseScale(Feature):
     Raises:
         TypeError: If ``interval`` is not an integer.
         ValueError: If ``decay`` is outside ``[0, 1)`` or ``interval`` below 1; with ``adaptive``, if the two could
-            never hold the evidence it needs (:func:`~lightning_accum.adaptive.check_evidence`); under DeepSpeed or
+            never hold the evidence it needs (:func:`~lightning_accum.core.adaptive.check_evidence`); under DeepSpeed or
             FSDP1, whose micro-batch gradients no hook sees whole.
 
     Example::
 
         >>> import torch
-        >>> from lightning_accum.events import Context, Event, Features
+        >>> from lightning_accum.core.events import Context, Event, Features
         >>> net = torch.nn.Linear(2, 1, bias=False)
         >>> features, ctx = Features([NoiseScale(decay=0.0, interval=1)]), Context(module=net)
         >>> ctx.window.open(2); features.dispatch(Event.WINDOW_OPENED, ctx)
@@ -79,14 +79,14 @@ class NoiseScale(Feature):
     name = "noise_scale"
 
     def __init__(self, decay: float = 0.95, interval: int = 10, adaptive: bool = False) -> None:
-        self._estimator = NoiseScaleEstimator(decay)
+        self._estimator = noise.NoiseScaleEstimator(decay)
         self.interval = check_int("noise_scale_interval", interval, minimum=1)
         self.adaptive = adaptive
         if adaptive:
             check_evidence(self._estimator.decay)
         # adaptive growth's evidence: the same measurements, averaged per measured window (adaptive.py says why)
-        self._evidence = NoiseScaleEstimator(decay) if adaptive else None
-        self.measurement: NoiseMeasurement | None = None  # the latest window's, this fit
+        self._evidence = noise.NoiseScaleEstimator(decay) if adaptive else None
+        self.measurement: noise.NoiseMeasurement | None = None  # the latest window's, this fit
         self._warned = False  # whether windows whose gradients came in parts were warned of
         self._batch: tuple[float, int] | None = None  # (items, micro-steps) of the latest measured window
         self._step = 0  # the optimizer step of the latest measured window
@@ -104,14 +104,14 @@ class NoiseScale(Feature):
         self._sharded = False  # whether the step's gradients are shards (FSDP2), their squares summed over the ranks
 
     @property
-    def estimate(self) -> NoiseScaleEstimate:
+    def estimate(self) -> noise.NoiseScaleEstimate:
         """The current smoothed estimates."""
         return self._estimator.estimate
 
     @override
     def reset(self) -> None:
-        self._estimator = NoiseScaleEstimator(self._estimator.decay)
-        self._evidence = NoiseScaleEstimator(self._estimator.decay) if self.adaptive else None
+        self._estimator = noise.NoiseScaleEstimator(self._estimator.decay)
+        self._evidence = noise.NoiseScaleEstimator(self._estimator.decay) if self.adaptive else None
         self.measurement, self._batch, self._step = None, None, 0
 
     @override
@@ -124,8 +124,8 @@ class NoiseScale(Feature):
         self.measurement = None
         ctx.noise = self._reading()
         # one process: a window of one loader batch has a single gradient, so measured ones are split in two halves
-        one_batch = ctx.world_size == 1 and (ctx.schedule is None or ctx.schedule.min_factor == 1)
-        self._halves = self.adaptive and one_batch and not ctx.splitting
+        one_batch = ctx.world_size == 1 and (ctx.plan.schedule is None or ctx.plan.schedule.min_factor == 1)
+        self._halves = self.adaptive and one_batch and not ctx.plan.splitting
         self._rows = noise_grads.RowsCheck(windows=3 if self._halves else 0)
         self._check_halves(ctx)
         ctx.noise_parts = 2 if self._halves else 1
@@ -142,11 +142,11 @@ class NoiseScale(Feature):
                 " noise scale is measured only on windows of factor 2 or more"
             )
 
-    def _reading(self) -> NoiseReading | None:
+    def _reading(self) -> noise.NoiseReading | None:
         if self._batch is None:
             return None
         evidence = self._evidence.estimate if self._evidence is not None else None
-        return NoiseReading(self._estimator.estimate, self._batch[0], self._batch[1], self._step, evidence)
+        return noise.NoiseReading(self._estimator.estimate, self._batch[0], self._batch[1], self._step, evidence)
 
     @override
     def window_opened(self, ctx: Context) -> None:
@@ -220,7 +220,7 @@ class NoiseScale(Feature):
         # every rank measures the same windows and adds its sums in, whatever it has to add
         reduce = ctx.reduce if ctx.world_size > 1 else None
         counted = ctx.window_items if isinstance(ctx.window_items, torch.Tensor) else None
-        small, bearing, inverse, micro_batches, in_parts, big_sq, *items = window_sums(
+        small, bearing, inverse, micro_batches, in_parts, big_sq, *items = noise.window_sums(
             backwards, parts, entries, first_mean, reduce, counted, self._sharded
         )
         if in_parts:
@@ -241,7 +241,7 @@ class NoiseScale(Feature):
         # micro-batches' means over every rank
         big = float(items[0] if items else ctx.window_items) if ctx.window_items is not None else None
         big = big if big is not None else micro_batches / inverse_small
-        self.measurement = NoiseMeasurement(small_sq, big_sq, inverse_small, big, int(bearing))
+        self.measurement = noise.NoiseMeasurement(small_sq, big_sq, inverse_small, big, int(bearing))
         step = ctx.optimizer_steps + 1  # the step this window ends in; the averages decay per step since the last
         if self._estimator.update(small_sq, big_sq, inverse_small, big, steps=step - self._step) is not None:
             self._batch, self._step = (big, ctx.window.taken), step
@@ -284,7 +284,7 @@ class NoiseScale(Feature):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._estimator.load_state_dict(state)
         if self._evidence is not None:  # a checkpoint without it (written without adaptive growth) starts from none
-            self._evidence = NoiseScaleEstimator(self._estimator.decay)
+            self._evidence = noise.NoiseScaleEstimator(self._estimator.decay)
             if "evidence" in state:
                 self._evidence.load_state_dict(state["evidence"])
         items, micro_steps = state.get("batch_items"), state.get("batch_micro_steps")
@@ -297,4 +297,4 @@ def _items(ctx: Context) -> Any:
     try:
         return ctx.items if ctx.items is not None else count_samples(ctx.batch)
     except ValueError:
-        return ctx.micro_batch_size or 1
+        return ctx.plan.micro_batch_size or 1

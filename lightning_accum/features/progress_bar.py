@@ -8,15 +8,15 @@ run (to its end or to ``max_steps``, whichever comes first, with the schedule's 
 that total (``ctx.run.set_progress_total``), so every epoch's bar shows the total it ends at
 before its first batch and counts to exactly 100%.
 
-Reads ``ctx.schedule`` and ``ctx.factor_floor``.
+Reads ``ctx.plan.schedule`` and ``ctx.factor_floor``.
 """
 
 from __future__ import annotations
 
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature
-from lightning_accum.schedule import run_epoch
+from lightning_accum.core.events import Context, Feature
+from lightning_accum.core.schedule import run_epoch
 
 
 class ProgressBar(Feature):
@@ -49,11 +49,11 @@ class ProgressBar(Feature):
     def _size(self, ctx: Context, first: int) -> None:
         """Size the bar for the rest of the epoch from its batch ``first``, at the position the context holds."""
         batches = ctx.run.batches_per_epoch
-        if ctx.schedule is None or batches == float("inf"):
+        if ctx.plan.schedule is None or batches == float("inf"):
             return
         self._sized = (ctx.run.epoch, ctx.factor_floor)
         left, _, _ = run_epoch(
-            ctx.schedule,
+            ctx.plan.schedule,
             int(batches),
             epoch=ctx.run.epoch,
             first_batch=first,

@@ -5,16 +5,17 @@ samples (or tokens) consumed, with the run's planned steps and samples for what 
 after each optimizer step (``WINDOW_CLOSED``, once the counters include the window) it moves them there; at
 ``FIT_END`` it lets them step on their own again.
 
-Reads ``ctx.run.lr_schedulers``, ``ctx.schedule`` (its unit), ``ctx.samples_per_micro_step``, ``ctx.planned_steps``,
-``ctx.planned_samples``, ``ctx.samples_seen`` and ``ctx.tokens_seen`` (published by the token count).
+Reads ``ctx.run.lr_schedulers``, ``ctx.plan.schedule`` (its unit), ``ctx.samples_per_micro_step``,
+``ctx.plan.planned_steps``, ``ctx.plan.planned_samples``, ``ctx.samples_seen`` and ``ctx.tokens_seen`` (published by the
+token count).
 """
 
 from __future__ import annotations
 
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature
-from lightning_accum.sample_driven_lr import SampleDrivenLR
+from lightning_accum.core.events import Context, Feature
+from lightning_accum.core.sample_driven_lr import SampleDrivenLR
 
 
 class SampleDrivenSchedules(Feature):
@@ -41,7 +42,7 @@ class SampleDrivenSchedules(Feature):
             def consumed(unit: str = scheduler.unit) -> float:
                 return float(ctx.tokens_seen if unit == "token" else ctx.samples_seen)
 
-            scheduler.attach(consumed, steps=ctx.planned_steps, total=ctx.planned_samples)
+            scheduler.attach(consumed, steps=ctx.plan.planned_steps, total=ctx.plan.planned_samples)
             self._schedulers.append(scheduler)
 
     @override
@@ -58,7 +59,7 @@ class SampleDrivenSchedules(Feature):
 
 def _check(scheduler: SampleDrivenLR, interval: str, frequency: int, ctx: Context) -> None:
     """Refuse what would move ``scheduler`` by the wrong measure, before the first step."""
-    if scheduler.unit == "token" and (ctx.schedule is None or ctx.schedule.unit != "token"):
+    if scheduler.unit == "token" and (ctx.plan.schedule is None or ctx.plan.schedule.unit != "token"):
         raise ValueError(
             f"SampleDrivenLR(unit='token') moves by the tokens {ctx.run.owner} counts: give {ctx.run.owner}"
             " unit='token' (a token-keyed schedule), or use SampleDrivenLR(unit='sample')"
@@ -69,9 +70,9 @@ def _check(scheduler: SampleDrivenLR, interval: str, frequency: int, ctx: Contex
             f" be read from the train dataloader's `batch_size`: pass `micro_batch_size` to {ctx.run.owner}"
         )
     unknown = "this run's samples are not known up front (no max_epochs or max_steps, or a loader without a length)"
-    if scheduler.total is None and ctx.planned_samples == float("inf"):
+    if scheduler.total is None and ctx.plan.planned_samples == float("inf"):
         raise ValueError(f"SampleDrivenLR spreads its schedule over the run's samples, but {unknown}: pass `total`")
-    if scheduler.steps is None and ctx.planned_steps == float("inf"):
+    if scheduler.steps is None and ctx.plan.planned_steps == float("inf"):
         raise ValueError(f"SampleDrivenLR is sized in the run's optimizer steps, but {unknown}: pass `steps`")
     if scheduler.steps is None and (interval != "step" or frequency != 1):
         raise ValueError(

@@ -2,34 +2,36 @@
 
 At ``FIT_START`` it reads the shape of the run's :class:`~lightning_accum.SampleDrivenLR` (stepping it ahead and back,
 :meth:`~lightning_accum.SampleDrivenLR.planned_lrs`) and turns it into a factor schedule keyed by the samples or
-tokens that scheduler moves by (:func:`~lightning_accum.seesaw.seesaw_schedule`): the schedule's one factor, doubled
-at each halving of the LR below its peak, up to ``max_factor``; the LR rule (``lr_scaling``) then gives back its share
-of each halving (``sqrt(2)`` under ``"sqrt"``, all of it under ``"linear"``). Every rank takes rank zero's factor
+tokens that scheduler moves by (:func:`~lightning_accum.core.seesaw.seesaw_schedule`): the schedule's one factor,
+doubled at each halving of the LR below its peak, up to ``max_factor``; the LR rule (``lr_scaling``) then gives back its
+share of each halving (``sqrt(2)`` under ``"sqrt"``, all of it under ``"linear"``). Every rank takes rank zero's factor
 schedule, which is kept in the checkpoint, so a resumed run goes on with the factors it started with. At each
 ``WINDOW_OPENING`` it raises ``ctx.factor`` to the schedule's factor at the run's position; with the noise scale on,
 it warns once when that batch outgrows the measured noise scale's upper bound (90% confident, once three measurements
 stand behind it), where Seesaw's trade no longer holds.
 
-Reads ``ctx.run.lr_schedulers`` (attached by the sample-driven schedules, registered before it), ``ctx.schedule``,
-``ctx.samples_seen``, ``ctx.tokens_seen``, ``ctx.planned_samples``, ``ctx.samples_per_micro_step``, ``ctx.noise`` and
-``ctx.lr_cap_factor`` (published by LR scaling, registered before it); sets ``ctx.planned_steps`` at ``FIT_START``
-(the steps at Seesaw's factors) and raises ``ctx.factor`` at ``WINDOW_OPENING``; adds its line to ``ctx.summary``.
+Reads ``ctx.run.lr_schedulers`` (attached by the sample-driven schedules, registered before it), ``ctx.plan.schedule``,
+``ctx.samples_seen``, ``ctx.tokens_seen``, ``ctx.plan.planned_samples``, ``ctx.samples_per_micro_step``, ``ctx.noise``
+and ``ctx.lr_cap_factor`` (published by LR scaling, registered before it); replaces ``ctx.plan`` at ``FIT_START``
+(its planned steps at Seesaw's factors) and raises ``ctx.factor`` at ``WINDOW_OPENING``; adds its line to
+``ctx.summary``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.adaptive import MIN_MEASUREMENTS
-from lightning_accum.events import Context, Feature
-from lightning_accum.noise import NoiseScaleEstimate
-from lightning_accum.sample_driven_lr import SampleDrivenLR
-from lightning_accum.schedule import Schedule, plan_run
-from lightning_accum.seesaw import planned_steps, seesaw_schedule, steps_ratio
+from lightning_accum.core.adaptive import MIN_MEASUREMENTS
+from lightning_accum.core.events import Context, Feature
+from lightning_accum.core.noise import NoiseScaleEstimate
+from lightning_accum.core.sample_driven_lr import SampleDrivenLR
+from lightning_accum.core.schedule import Schedule, plan_run
+from lightning_accum.core.seesaw import planned_steps, seesaw_schedule, steps_ratio
 
 WARN_CONFIDENCE = 0.9
 """The one-sided confidence that the batch outgrew the noise scale before Seesaw warns of it."""
@@ -46,7 +48,7 @@ class Seesaw(Feature):
 
         >>> import torch
         >>> from lightning_accum import SampleDrivenLR
-        >>> from lightning_accum.events import Context, Event, Features, Run
+        >>> from lightning_accum.core.events import Context, Event, Features, Run
         >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
         >>> cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
         >>> driven = SampleDrivenLR(cosine, steps=100, total=6400)
@@ -86,15 +88,15 @@ class Seesaw(Feature):
             schedule = seesaw_schedule(lrs, driven.steps, driven.total, driven.unit, base, most, driven.taken)
             points = ctx.broadcast([list(point) for point in schedule.points])  # rank zero's, should the ranks differ
             self.schedule = Schedule(tuple((int(p), int(f)) for p, f in points), schedule.unit)
-        if 0 < ctx.run.max_steps <= ctx.planned_steps:
+        if 0 < ctx.run.max_steps <= ctx.plan.planned_steps:
             rank_zero_warn(
                 f"{ctx.run.owner}: seesaw=True in a run bounded by `max_steps`: its larger batches consume the samples"
                 " the LR schedule is spread over before max_steps, and the schedule then holds its last value. Bound"
                 " the run by its data instead (epochs, `limit_train_batches`; in Fabric `max_samples`, `max_tokens`)"
             )
         self.planned_steps = _planned_steps(ctx, self.schedule, driven)
-        if self.planned_steps is not None:
-            ctx.planned_steps = self.planned_steps
+        if self.planned_steps is not None:  # the plan at Seesaw's factors, for the features after it
+            ctx.plan = replace(ctx.plan, planned_steps=self.planned_steps)
         ctx.summary.append(_summary(self.schedule, driven, self.rule, self.planned_steps))
         cap = ctx.lr_cap_factor
         if cap is not None and self.rule != "none" and self.schedule.max_factor > cap:
@@ -151,8 +153,8 @@ class Seesaw(Feature):
 def _upper_bound(estimate: NoiseScaleEstimate) -> float | None:
     """The noise scale's upper bound at :data:`WARN_CONFIDENCE`, once the estimate stands on enough measurements.
 
-    ``None`` before :data:`~lightning_accum.adaptive.MIN_MEASUREMENTS` measurements, where the bound is infinite (the
-    gradient may be 0) and where the measurements contradict each other: nothing to warn on.
+    ``None`` before :data:`~lightning_accum.core.adaptive.MIN_MEASUREMENTS` measurements, where the bound is infinite
+    (the gradient may be 0) and where the measurements contradict each other: nothing to warn on.
     """
     if estimate.measurements < MIN_MEASUREMENTS:
         return None
@@ -189,7 +191,7 @@ def _base_factor(ctx: Context, max_factor: int) -> int:
     Raises:
         ValueError: If the schedule changes its factor, or its factor is above ``max_factor``.
     """
-    schedule = ctx.schedule if ctx.schedule is not None else Schedule.constant(1)
+    schedule = ctx.plan.schedule if ctx.plan.schedule is not None else Schedule.constant(1)
     if schedule.min_factor != schedule.max_factor:
         raise ValueError(
             f"{ctx.run.owner}(seesaw=True) sets the factor from the LR schedule, starting from one factor, but the"
@@ -209,14 +211,14 @@ def _planned_steps(ctx: Context, schedule: Schedule, driven: SampleDrivenLR) -> 
     """The optimizer steps of the fit at Seesaw's factors (an estimate for tokens; ``None`` where it has no end)."""
     per_micro_step, batches = ctx.samples_per_micro_step, ctx.run.batches_per_epoch
     base = schedule.points[0][1]
-    if schedule.unit == "sample" and per_micro_step and ctx.planned_samples < math.inf:
+    if schedule.unit == "sample" and per_micro_step and ctx.plan.planned_samples < math.inf:
         if batches < math.inf:  # the Trainer's epochs: windows never span one
-            epochs = math.ceil(ctx.planned_samples / (batches * per_micro_step))
+            epochs = math.ceil(ctx.plan.planned_samples / (batches * per_micro_step))
             return plan_run(schedule, int(batches), epochs, ctx.run.max_steps, per_micro_step)[0]
-        return planned_steps(schedule, ctx.planned_samples, per_micro_step)
-    if ctx.planned_steps < math.inf:  # tokens a micro-step holds are not known ahead: micro-steps of equal tokens
+        return planned_steps(schedule, ctx.plan.planned_samples, per_micro_step)
+    if ctx.plan.planned_steps < math.inf:  # tokens a micro-step holds are not known ahead: micro-steps of equal tokens
         assert driven.total is not None, "attached"
-        return round(ctx.planned_steps * steps_ratio(schedule, driven.total, base))
+        return round(ctx.plan.planned_steps * steps_ratio(schedule, driven.total, base))
     return None
 
 

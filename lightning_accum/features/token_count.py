@@ -18,8 +18,8 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.events import Context, Feature, takes_dataloader_iter
-from lightning_accum.items import check_count, label_warning, make_counter, token_counter
+from lightning_accum.core.events import Context, Feature, takes_dataloader_iter
+from lightning_accum.core.items import check_count, label_warning, make_counter, token_counter
 
 
 class TokenCount(Feature):
@@ -32,13 +32,13 @@ class TokenCount(Feature):
             ``normalize_by="token"`` the schedule so counts what the weighting counts); under ``normalize_by="sample"``
             it counts samples, and the tokens are read from the labels.
         normalize_by: The run's item weighting. Under ``"token"`` the weighting warns of labels its count may
-            misread (:func:`~lightning_accum.items.label_warning`), so this feature does not warn again.
+            misread (:func:`~lightning_accum.core.items.label_warning`), so this feature does not warn again.
         shift_labels: Without ``count_items``: count ``labels[..., 1:]`` (a causal LM's loss on shifted labels),
             instead of as a Hugging Face head in the module weighs them.
 
     Example::
 
-        >>> from lightning_accum.events import Event, Features
+        >>> from lightning_accum.core.events import Event, Features
         >>> features, ctx = Features([TokenCount()]), Context()
         >>> features.dispatch(Event.WINDOW_OPENED, ctx)
         >>> for labels in ([[1, 2, -100]], [[-100, 3, 4]]):

@@ -6,7 +6,7 @@ Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-
 - one device: every micro-batch backpropagates its unscaled loss (``ctx.weights_in_float32``: Lightning divides by
   1), and its gradient is moved into a float32 buffer, times its weight (``ctx.micro_weight``: 1 / the window's size,
   a split batch's share, the item weight), before the next backward
-  (:class:`~lightning_accum.precision.WideAccumulator`; ``on_after_backward`` hooks see the micro-batch's own
+  (:class:`~lightning_accum.core.precision.WideAccumulator`; ``on_after_backward`` hooks see the micro-batch's own
   gradient); the window's sum is written back once before the step, for every trainable parameter (float32 ones too:
   their weights must not be applied to a narrow loss either);
 - DDP (:class:`~lightning_accum.DDPAccumulationStrategy`): the same, with DDP's own
@@ -18,7 +18,7 @@ Where the gradients are narrower than ``grad_accum_dtype`` (``bf16-true``, ``16-
   compute narrower gradients, every micro-batch backpropagates its unscaled loss too, and its unsharded gradient is
   moved into FSDP2's float32 sum times its weight as autograd writes it, and the window's scale multiplies the reduced
   float32 shards inside the window's last backward, before their one rounding
-  (:class:`~lightning_accum.fsdp2_precision.FSDP2Weights`; ``ctx.scale_in_backward``).
+  (:class:`~lightning_accum.distributed.fsdp2_precision.FSDP2Weights`; ``ctx.scale_in_backward``).
 
 Publishes ``ctx.weights_in_float32`` and ``ctx.scale_in_backward`` (``FIT_START``); reads ``ctx.micro_weight`` and,
 at the window's last backward under FSDP2, ``ctx.gradient_scale`` (``BEFORE_BACKWARD``). Consumes
@@ -34,9 +34,9 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from lightning_accum.events import Context, DataParallel, Feature
-from lightning_accum.fsdp2_precision import FSDP2Weights, computes_narrower, widen_reduce_dtype
-from lightning_accum.precision import WideAccumulator, narrower, scale_in_place
+from lightning_accum.core.events import Context, DataParallel, Feature
+from lightning_accum.core.precision import WideAccumulator, narrower, scale_in_place
+from lightning_accum.distributed.fsdp2_precision import FSDP2Weights, computes_narrower, widen_reduce_dtype
 
 
 class WideAccumulation(Feature):
@@ -44,14 +44,14 @@ class WideAccumulation(Feature):
 
     Args:
         dtype: The accumulation dtype (``torch.float32``), from
-            :func:`~lightning_accum.precision.check_grad_accum_dtype`.
+            :func:`~lightning_accum.core.precision.check_grad_accum_dtype`.
         strict: Raise where the strategy cannot accumulate in ``dtype`` (the user asked for it); else warn and
             accumulate in the parameters' dtype there (``grad_accum_dtype="auto"``).
 
     Example::
 
-        >>> from lightning_accum.events import Event, Features
-        >>> from lightning_accum.window import Window
+        >>> from lightning_accum.core.events import Event, Features
+        >>> from lightning_accum.core.window import Window
         >>> net = torch.nn.Linear(2, 1, bias=False).to(torch.bfloat16)
         >>> features = Features([WideAccumulation(torch.float32)])
         >>> ctx = Context(module=net, window=Window(size=3, taken=0, closed=False))

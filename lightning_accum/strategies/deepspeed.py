@@ -28,8 +28,8 @@ import torch
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from torch.optim import Optimizer
 
-from lightning_accum._lightning import trainer_names
-from lightning_accum.zero import (
+from lightning_accum.compat.lightning import trainer_names
+from lightning_accum.distributed.zero import (
     FoldedScale,
     config_stage,
     drop_window,

@@ -3,8 +3,8 @@
 Lightning's automatic optimization wraps every non-final micro-step of a window in the strategy's public
 ``block_backward_sync()``; stock Lightning only acts there on modules that have ``no_sync`` (DDP, FSDP1), so FSDP2
 modules (``ModelParallelStrategy``) reduce-scatter on every micro-step. The mixin overrides that one context manager
-to skip or defer communication for DDP, FSDP1 and FSDP2 alike (see :mod:`lightning_accum.sync`), with a policy the
-user chooses, and checks that no optimizer step ever runs on gradients whose reduction was skipped.
+to skip or defer communication for DDP, FSDP1 and FSDP2 alike (see :mod:`lightning_accum.distributed.sync`), with a
+policy the user chooses, and checks that no optimizer step ever runs on gradients whose reduction was skipped.
 
 The strategy decides nothing about boundaries: Lightning asks ``_should_accumulate``, which the
 :class:`~lightning_accum.AccumulationScheduler` routes to its window (or, without the callback, Lightning's own
@@ -23,9 +23,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_accum._lightning import trainer_names
-from lightning_accum._torch import require_fsdp2
-from lightning_accum.sync import (
+from lightning_accum.compat.lightning import trainer_names
+from lightning_accum.compat.torch import require_fsdp2
+from lightning_accum.distributed.sync import (
     CheckCollectives,
     FSDP2CollectiveGuard,
     GradientSync,
@@ -78,12 +78,12 @@ class AccumulationStrategyMixin:
         check_collectives: Under FSDP2 on several ranks, make the ranks agree before each FSDP2 collective (one
             small CPU collective each, on a gloo group of the strategy's own), so that a ``fully_shard`` unit that
             only some ranks run raises the same error on every rank instead of hanging or crashing the run (see
-            :class:`~lightning_accum.sync.FSDP2CollectiveGuard`). ``True``: in the first 3 windows (optimizer steps)
-            of every fit, a resumed one included, then the check steps aside and costs nothing. A number n: the
-            first n windows. ``"always"``: every window, for models whose units run conditionally (a mixture of
-            experts, early exit), where a rare batch may skip a unit on one rank. ``False`` (or 0): never, trusting
-            every rank to run every unit, as stock FSDP2 does. In ``validate``, ``test`` or ``predict`` run on their
-            own (no optimizer steps) the check, unless ``False``, stays on. No effect on DDP and FSDP1.
+            :class:`~lightning_accum.distributed.sync.FSDP2CollectiveGuard`). ``True``: in the first 3 windows
+            (optimizer steps) of every fit, a resumed one included, then the check steps aside and costs nothing. A
+            number n: the first n windows. ``"always"``: every window, for models whose units run conditionally (a
+            mixture of experts, early exit), where a rare batch may skip a unit on one rank. ``False`` (or 0): never,
+            trusting every rank to run every unit, as stock FSDP2 does. In ``validate``, ``test`` or ``predict`` run on
+            their own (no optimizer steps) the check, unless ``False``, stays on. No effect on DDP and FSDP1.
         **kwargs: Passed to the strategy the mixin is combined with.
 
     Raises:
@@ -213,8 +213,8 @@ class AccumulationStrategyMixin:
         """Set up the parent strategy, then warn if there is no gradient communication to control.
 
         Under FSDP2 on several ranks, also make the ranks agree before each FSDP2 collective for the first windows
-        of this fit (see :class:`~lightning_accum.sync.FSDP2CollectiveGuard`): a unit that only some ranks run
-        raises on every rank instead of hanging or crashing the run.
+        of this fit (see :class:`~lightning_accum.distributed.sync.FSDP2CollectiveGuard`): a unit that only some ranks
+        run raises on every rank instead of hanging or crashing the run.
         """
         super().setup(trainer)  # type: ignore[misc]
         strategy: Any = self

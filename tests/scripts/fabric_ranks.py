@@ -26,14 +26,14 @@ from lightning.fabric.strategies import DDPStrategy, ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from lightning_accum._torch import fully_shard
+from lightning_accum.compat.torch import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fabric_common import LR, TinyLM, leave, litgpt_loop, make_pairs, mean_loss, micro_batches  # noqa: E402
 
+from lightning_accum.distributed.sync import fsdp2_modules, fsdp2_sync_state  # noqa: E402
 from lightning_accum.fabric import Accumulator  # noqa: E402
-from lightning_accum.sync import fsdp2_modules, fsdp2_sync_state  # noqa: E402
 from tests.helpers import BACKENDS  # noqa: E402
 
 ROWS, PAIRS = 3, 24  # each rank: 8 micro-batches of 3 pairs, its own pairs (ragged: different token counts)

@@ -38,7 +38,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_accum._torch import fully_shard
+from lightning_accum.compat.torch import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -37,7 +37,7 @@ from fabric_common import leave  # noqa: E402
 
 import lightning_accum  # noqa: E402
 from lightning_accum import AccumulationScheduler, DDPAccumulationStrategy, ModelParallelAccumulationStrategy  # noqa: E402
-from lightning_accum._torch import fully_shard  # noqa: E402
+from lightning_accum.compat.torch import fully_shard  # noqa: E402
 from lightning_accum.fabric import Accumulator  # noqa: E402
 from tests.helpers import BACKENDS, make_data, make_net, mse  # noqa: E402
 

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy  # noqa: E402
-from lightning_accum.sync import GradientSync  # noqa: E402
+from lightning_accum.distributed.sync import GradientSync  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import two_ranks  # noqa: E402
@@ -89,7 +89,7 @@ class Regression(pl.LightningModule):
         self.net = make_net()
 
     def configure_model(self) -> None:
-        from lightning_accum._torch import fully_shard
+        from lightning_accum.compat.torch import fully_shard
 
         mesh = hsdp_mesh()
         for layer in self.net:
@@ -175,14 +175,14 @@ class CountCollectives(pl.Callback):
 def fsdp2_units(module: nn.Module) -> int:
     """The FSDP2 parameter groups under ``module``: one per ``fully_shard`` module that manages parameters of its own
     (each reduce-scatters, and on HSDP all-reduces, its gradients in one collective)."""
-    from lightning_accum._torch import fsdp_module_type
-    from lightning_accum.sync import param_groups_of
+    from lightning_accum.compat.torch import fsdp_module_type
+    from lightning_accum.distributed.sync import param_groups_of
 
     units = 0
     for sub in module.modules():
         if isinstance(sub, fsdp_module_type()):
             state = sub._get_fsdp_state()
-            units += len(param_groups_of(state))  # as lightning_accum/sync.py reads them, on any torch
+            units += len(param_groups_of(state))  # as lightning_accum/distributed/sync.py reads them, on any torch
     return units
 
 

@@ -43,7 +43,7 @@ class Module(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard is not None:
-            from lightning_accum._torch import fully_shard, mixed_precision_policy
+            from lightning_accum.compat.torch import fully_shard, mixed_precision_policy
 
             policy = mixed_precision_policy(**self.shard)
             fully_shard(self.net, mesh=self.device_mesh["data_parallel"], mp_policy=policy)

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_accum import AccumulationScheduler, ModelParallelAccumulationStrategy  # noqa: E402
-from lightning_accum._torch import fsdp2_reduces_unused_params  # noqa: E402
+from lightning_accum.compat.torch import fsdp2_reduces_unused_params  # noqa: E402
 
 MICRO_BATCH, MICRO_STEPS, FACTOR, LR = 4, 6, 3, 0.1  # windows: micro-steps 0-2 and 3-5
 SAMPLES_PER_RANK = MICRO_BATCH * MICRO_STEPS
@@ -98,7 +98,7 @@ class Model(pl.LightningModule):
         self.fix = fix
 
     def configure_model(self) -> None:
-        from lightning_accum._torch import fsdp_module_type, fully_shard, mixed_precision_policy
+        from lightning_accum.compat.torch import fsdp_module_type, fully_shard, mixed_precision_policy
 
         if isinstance(self.net, fsdp_module_type()):  # a second fit (the resume) of the same model
             return

@@ -97,7 +97,7 @@ class Regression(pl.LightningModule):
 
     def configure_model(self) -> None:
         if self.shard:
-            from lightning_accum._torch import fully_shard
+            from lightning_accum.compat.torch import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
             fully_shard(self.net[0], mesh=mesh)

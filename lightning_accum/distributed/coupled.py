@@ -26,7 +26,7 @@ from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_accum._torch import dtensor_type, tree_flatten_with_path
+from lightning_accum.compat.torch import dtensor_type, tree_flatten_with_path
 
 Listener = Callable[[int, int | None], int | None]
 _listeners: list[Listener] = []

@@ -39,7 +39,7 @@ from typing import Any, Literal, cast
 
 from torch import nn
 
-from lightning_accum._torch import fsdp2_reduces_unused_params, fsdp_module_type, require_fsdp2
+from lightning_accum.compat.torch import fsdp2_reduces_unused_params, fsdp_module_type, require_fsdp2
 
 GradientSync = Literal["last", "every", "reduce_scatter"]
 GRADIENT_SYNCS: tuple[GradientSync, ...] = ("last", "every", "reduce_scatter")

@@ -14,14 +14,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from lightning_accum._lightning import TRAINER_PACKAGES, trainer_names
-from lightning_accum._position import count_steps
-from lightning_accum._torch import has_fsdp2_mechanics, require_fsdp2
-from lightning_accum.adaptive import check_needs_noise_scale
-from lightning_accum.events import takes_dataloader_iter
-from lightning_accum.schedule import Schedule, ScheduleSpec
+from lightning_accum.compat.lightning import TRAINER_PACKAGES, trainer_names
+from lightning_accum.compat.torch import has_fsdp2_mechanics, require_fsdp2
+from lightning_accum.core.adaptive import check_needs_noise_scale
+from lightning_accum.core.events import takes_dataloader_iter
+from lightning_accum.core.fit import FitPlan
+from lightning_accum.distributed.sync import fsdp2_modules
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-from lightning_accum.sync import fsdp2_modules
 
 
 def check_arguments(adaptive: object, noise_scale: object, micro_batch_size: object) -> None:
@@ -83,7 +82,7 @@ def check_fsdp2(trainer: pl.Trainer) -> None:
     """Refuse a model with ``fully_shard`` units on a torch older than the FSDP2 mechanics' floor (``on_fit_start``).
 
     The window's FSDP2 gradients are read and reduced through FSDP2 state that is tested exact only from
-    ``lightning_accum._torch.FSDP2_FLOOR`` on.
+    ``lightning_accum.compat.torch.FSDP2_FLOOR`` on.
     """
     if fsdp2_modules(trainer.strategy.model):
         require_fsdp2(
@@ -115,21 +114,16 @@ def check_splitting(trainer: pl.Trainer, auto: bool, weighs_items: bool) -> None
         )
 
 
-def warn_at_fit_start(
-    trainer: pl.Trainer,
-    spec: ScheduleSpec,
-    schedule: Schedule,
-    micro_batch_size: int | None,
-    grows: bool,
-    splits: bool = False,
-) -> None:
-    """Warn about what the Trainer does under ``schedule``; say how many optimizer steps the run takes.
+def warn_at_fit_start(trainer: pl.Trainer, plan: FitPlan, grows: bool, splits: bool = False) -> None:
+    """Warn about what the Trainer does under the ``plan``'s schedule; say how many optimizer steps the run takes.
 
     At most that many where adaptive growth ``grows`` the factor; ``splits``: loader batches are split.
     """
+    schedule, module = plan.schedule, trainer.lightning_module
+    assert schedule is not None, "the plan holds the schedule"
     if schedule.max_factor > 1 or grows or splits:
-        _warn_about_batch_norm(trainer.lightning_module)
-    batches = trainer.num_training_batches
+        _warn_about_batch_norm(module)
+    batches = plan.batches_per_epoch
     if schedule.max_factor > batches:
         rank_zero_warn(
             f"AccumulationScheduler: the schedule reaches factor {schedule.max_factor}, more than an epoch's {batches}"
@@ -138,9 +132,7 @@ def warn_at_fit_start(
         )
     if schedule.max_factor == 1 and not grows:
         return
-    steps = count_steps(trainer, spec, micro_batch_size)
-    module = trainer.lightning_module
-    is_overridden = trainer_names(module).is_overridden
+    steps, is_overridden = plan.planned_steps, trainer_names(module).is_overridden
     overridden = [name for name in ("optimizer_step", "optimizer_zero_grad") if is_overridden(name, module)]
     if overridden:
         hooks = " and ".join(f"`LightningModule.{name}`" for name in overridden)
@@ -150,7 +142,7 @@ def warn_at_fit_start(
         )
     if not grows and steps == _stepping_batches(trainer):  # the Trainer's own figure is right (a constant factor)
         return
-    trainer_names(trainer).rank_zero_info(
+    plan.names.rank_zero_info(
         f"AccumulationScheduler: this run takes{' at most' if grows else ''} {steps} optimizer steps;"
         " `trainer.estimated_stepping_batches` does not know the schedule: size LR schedules with"
         " `lightning_accum.estimated_stepping_batches(trainer)`."

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_accum.noise import NoiseReading
-from lightning_accum.schedule import Schedule
-from lightning_accum.window import Window
+from lightning_accum.core.fit import FitPlan
+from lightning_accum.core.noise import NoiseReading
+from lightning_accum.core.window import Window
 
 
 class Event(str, Enum):
@@ -105,9 +105,9 @@ class DataParallel:
 class Run:
     """What the Trainer knows, read-only, and the few actions a feature may ask of the coordinator.
 
-    Features never hold the Trainer: the coordinator hands them a view of it (``lightning_accum._run.TrainerRun``) as
-    ``Context.run``. This base class describes a run without one (one process, no logger, no progress bar, full
-    precision), which a feature's own tests use; its actions do nothing.
+    Features never hold the Trainer: the coordinator hands them a view of it
+    (``lightning_accum.trainer._run.TrainerRun``) as ``Context.run``. This base class describes a run without one (one
+    process, no logger, no progress bar, full precision), which a feature's own tests use; its actions do nothing.
 
     Example::
 
@@ -120,6 +120,11 @@ class Run:
     def owner(self) -> str:
         """What the user set up, named in messages: ``"AccumulationScheduler"``, or ``"Accumulator"`` (Fabric)."""
         return "AccumulationScheduler"
+
+    @property
+    def names(self) -> Any:
+        """The Lightning names of the run's namespace (:mod:`~lightning_accum.compat.lightning`), or ``None``."""
+        return None
 
     @property
     def epoch(self) -> int:
@@ -197,11 +202,6 @@ class Context:
     Attributes:
         world_size: Number of ranks.
         is_global_zero: Whether this is rank zero.
-        micro_batch_size: Samples per micro-batch on one rank, the same on every rank (all-gathered and checked at
-            ``FIT_START``), or ``None`` when unknown.
-        splitting: Whether each loader batch is split into micro-batches (a fixed ``micro_batch_size`` below the
-            loader's): then a window of one loader batch still runs several backwards. ``"auto"`` is not splitting
-            here: it cuts a batch only after an out-of-memory error. Set at ``FIT_START``.
         can_split: Whether a loader batch can be split into parts at all (``training_step`` takes the batch, not
             ``dataloader_iter``). Set at ``SETUP``.
         reduce: ``reduce(tensor, "sum" | "mean")`` over ranks (the strategy's).
@@ -209,10 +209,9 @@ class Context:
         module: The LightningModule (any ``nn.Module`` in a test).
         optimizers: The optimizers, from ``FIT_START``.
         run: What the Trainer knows, read-only, and the actions a feature may ask for (:class:`Run`).
-        schedule: The run's schedule, from ``FIT_START``.
-        planned_steps: Set at ``FIT_START``: the optimizer steps the fit takes at the factors known up front
-            (``estimated_stepping_batches``; ``inf`` for a run without an end).
-        planned_samples: Set with it: the samples (all ranks) the fit consumes at those factors (``inf`` likewise).
+        plan: The fit's plan, from ``FIT_START``: the micro-batch size the ranks share, whether loader batches are
+            split, the schedule, the planned steps and samples, where the fit starts
+            (:class:`~lightning_accum.core.fit.FitPlan`; before it, one process that knows nothing yet).
         optimizer_steps: Optimizer steps taken (``trainer.global_step``), current at window events.
         samples_seen: Samples consumed by all ranks together (``micro_batch_size x world_size`` per micro-step).
         tokens_seen: Published by the token count (``unit="token"``): loss-bearing tokens consumed by all ranks.
@@ -256,7 +255,7 @@ class Context:
             tensor on the device between the windows it reads, see :mod:`~lightning_accum.features.item_weighting`).
         noise: Published by the noise scale at ``FIT_START`` and at each measured window's ``GRADIENT_READY``: the
             estimate after the latest measured window, with that window's batch
-            (:class:`~lightning_accum.noise.NoiseReading`), or ``None`` before the first.
+            (:class:`~lightning_accum.core.noise.NoiseReading`), or ``None`` before the first.
         noise_parts: Published by the noise scale at ``WINDOW_OPENED``: into how many parts each loader batch of the
             window is split, so that the window holds enough micro-batch gradients to measure (1: not split); at
             ``FIT_START``, the most it will ask for, which the coordinator reads to install the micro-batcher.
@@ -270,8 +269,6 @@ class Context:
 
     world_size: int = 1
     is_global_zero: bool = True
-    micro_batch_size: int | None = None
-    splitting: bool = False
     can_split: bool = True
     reduce: Callable[[torch.Tensor, str], torch.Tensor] = _local_reduce
     broadcast: Callable[[Any], Any] = _local_broadcast
@@ -279,14 +276,11 @@ class Context:
     optimizers: list[Any] = field(default_factory=list)
     run: Run = field(default_factory=Run)
 
-    planned_steps: float = float("inf")
-    planned_samples: float = float("inf")
+    plan: FitPlan = field(default_factory=FitPlan)
     optimizer_steps: int = 0
     samples_seen: int = 0
     tokens_seen: int = 0
     micro_steps: int = 0
-
-    schedule: Schedule | None = None
 
     window: Window = field(default_factory=Window)
     factor: int = 1
@@ -318,14 +312,31 @@ class Context:
         self.optimizers, self.run = [], Run()
         self.reduce, self.broadcast = _local_reduce, _local_broadcast
 
+    def start(self, plan: FitPlan) -> None:
+        """Begin the fit ``plan`` describes: its position, and the factor the schedule gives its first window.
+
+        A checkpoint without lightning_accum's state resumes at the micro-steps and samples the plan counted.
+        """
+        self.plan, self.optimizer_steps = plan, plan.optimizer_steps
+        if plan.counted is not None:
+            self.micro_steps, self.samples_seen = plan.counted
+        self.factor = self.scheduled_factor(plan.epoch)
+
+    def scheduled_factor(self, epoch: int) -> int:
+        """The factor the plan's schedule gives at ``epoch`` and the optimizer steps, samples or tokens counted."""
+        schedule = self.plan.schedule
+        assert schedule is not None, "the fit's plan holds it"
+        position = {"epoch": epoch, "step": self.optimizer_steps, "sample": self.samples_seen}
+        return schedule.factor_at(position.get(schedule.unit, self.tokens_seen))
+
     def effective_batch(self, micro_batches: int) -> int:
         """Samples in a window of ``micro_batches`` on every rank (micro-batches when the size is unknown)."""
-        return (self.micro_batch_size or 1) * micro_batches * self.world_size
+        return (self.plan.micro_batch_size or 1) * micro_batches * self.world_size
 
     @property
     def samples_per_micro_step(self) -> int:
         """Samples all ranks consume together in one micro-step (0 when the micro-batch size is unknown)."""
-        return (self.micro_batch_size or 0) * self.world_size
+        return (self.plan.micro_batch_size or 0) * self.world_size
 
 
 class Feature:

@@ -2,11 +2,12 @@ r"""AccumulationScheduler: exact gradient accumulation with schedules by epoch, 
 
 This module is the coordinator. It owns the window, the schedule and the loop routing (which micro-step opens and
 closes a window), keeps the position (samples seen, micro-steps), and at each window event updates the
-:class:`~lightning_accum.events.Context` and dispatches the event to the enabled features
+:class:`~lightning_accum.core.events.Context` and dispatches the event to the enabled features
 (:mod:`lightning_accum.features`). One micro-step routine serves Lightning's hooks and the micro-batcher alike
-(``_start_micro_batch``, then Lightning's backward hooks). What it checks before the first batch, what the ranks
-must agree on and what a checkpoint written inside a window holds live in modules of their own (``_checks``,
-``_ranks``, ``_resume``); the features see the Trainer only through ``_run.TrainerRun``.
+(``_start_micro_batch``, then Lightning's backward hooks). A fit starts from its plan, the facts read from the Trainer
+once (``_plan``); what it checks before the first batch, what the ranks must agree on, what a checkpoint written
+inside a window holds and where the loader resumes live in modules of their own (``_checks``, ``_ranks``,
+``_resume``, ``_data``); the features see the Trainer only through ``_run.TrainerRun``.
 """
 
 from __future__ import annotations
@@ -19,15 +20,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_accum._checks import check_arguments, check_fsdp2, check_splitting, check_trainer, warn_at_fit_start
-from lightning_accum._loop import LoopControl, ends_epoch
-from lightning_accum._microbatch import AUTO, MicroBatcher
-from lightning_accum._position import count_steps, factor_before_training, loader_batch_size, plan, scheduled_factor
-from lightning_accum._ranks import agree_on_batches
-from lightning_accum._resume import ResumePoint, drop_loader_states_of_other_ranks
-from lightning_accum._run import bind
-from lightning_accum._types import Confidence, Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
-from lightning_accum.events import Context, Event, Feature, Features
+from lightning_accum.core.events import Context, Event, Feature, Features
+from lightning_accum.core.precision import accumulation_dtype, scale_in_place
+from lightning_accum.core.schedule import ScheduleSpec, check_bool
+from lightning_accum.core.seesaw import check_seesaw
+from lightning_accum.core.types import Confidence, Decay, NonNegativeInt, PositiveFloat, PositiveInt, Scheduling
+from lightning_accum.core.window import Window
 from lightning_accum.features import (
     AdaptiveGrowth,
     ItemWeighting,
@@ -40,13 +38,15 @@ from lightning_accum.features import (
     TokenCount,
     WideAccumulation,
 )
-from lightning_accum.monitor import split_summary
-from lightning_accum.precision import accumulation_dtype, scale_in_place
-from lightning_accum.schedule import Schedule, ScheduleSpec, check_bool
-from lightning_accum.seesaw import check_seesaw
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationMixin, updating_optimizer
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-from lightning_accum.window import Window
+from lightning_accum.trainer._checks import check_arguments, check_fsdp2, check_trainer, warn_at_fit_start
+from lightning_accum.trainer._data import drop_loader_states_of_other_ranks
+from lightning_accum.trainer._loop import LoopControl, ends_epoch
+from lightning_accum.trainer._microbatch import AUTO, MicroBatcher
+from lightning_accum.trainer._plan import count_steps, factor_before_training, fit_plan
+from lightning_accum.trainer._resume import ResumePoint
+from lightning_accum.trainer._run import bind
 
 
 class AccumulationScheduler(Callback):
@@ -162,7 +162,6 @@ class AccumulationScheduler(Callback):
         )
         self._batcher = MicroBatcher(size, auto=micro_batch_size == AUTO)  # splits larger loader batches, if installed
         self._ctx = Context()  # the position, the window and what features publish; handed to every event
-        self._schedule: Schedule | None = None  # built at fit start, from the micro-batch size every rank shares
         self._loop: LoopControl | None = None  # from setup to teardown
         self._resume = ResumePoint()  # what a checkpoint written inside a window resumes from, and where in the data
 
@@ -186,7 +185,7 @@ class AccumulationScheduler(Callback):
         seesaw = self._features.get("seesaw")  # from the fit's start: the steps at Seesaw's factors
         if isinstance(seesaw, Seesaw) and seesaw.fitting and seesaw.planned_steps is not None:
             return seesaw.planned_steps
-        return count_steps(trainer, self._spec, micro_batch_size=None)
+        return count_steps(trainer, self._spec)
 
     # ------------------------------------------------------------------ the fit
 
@@ -218,32 +217,20 @@ class AccumulationScheduler(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        ctx, batcher = self._ctx, self._batcher
-        # the one place the micro-batch size is decided, the same on every rank, so every rank builds one schedule
-        split = batcher.auto or (batcher.size is not None and batcher.size < (loader_batch_size(trainer) or 0))
-        given = None if split else self._spec.micro_batch_size  # with splitting, the loader's batch is what counts
-        ctx.micro_batch_size = agree_on_batches(trainer, given or loader_batch_size(trainer), given)
-        if split:
-            check_splitting(trainer, batcher.auto, weighs_items="item_weighting" in self._features)
-            batcher.install(trainer, pl_module, owner=self, window=ctx.window, parts=lambda: ctx.noise_parts)
-        ctx.splitting = split and not batcher.auto  # "auto" splits only after an out-of-memory error
-        ctx.can_split = batcher.listen(trainer) and ctx.can_split  # a coupled step's batch is never split (`cached`)
-        self._schedule = self._spec.build(ctx.micro_batch_size, trainer.world_size)
-        ctx.planned_steps, ctx.planned_samples = plan(trainer, self._spec, ctx.micro_batch_size)
-        self._resume.count_unrestored(trainer, ctx)  # a checkpoint written without this callback's state
-        ctx.optimizers, ctx.optimizer_steps = [updating_optimizer(o) for o in trainer.optimizers], trainer.global_step
-        ctx.schedule, ctx.factor = self._schedule, scheduled_factor(trainer, self._schedule, ctx)
-        self._resume.data.fit_started(trainer, ctx, self._spec, "adaptive" in self._features)
-        ctx.summary = [split_summary(batcher.size)] if split else []  # the features add their phrases
-        self._features.dispatch(Event.FIT_START, ctx)
-        if ctx.noise_parts > 1 and not split:  # the noise scale measures a window of one loader batch in halves
-            batcher.install(trainer, pl_module, owner=self, window=ctx.window, parts=lambda: ctx.noise_parts)
-        self._features.settle()  # the features this fit gives nothing to do leave the window events
+        ctx, features, batcher = self._ctx, self._features, self._batcher
+        weighs, restored = "item_weighting" in features, self._resume.restored
+        plan = fit_plan(trainer, self._spec, batcher.size, batcher.auto, weighs, restored, ctx.run.names)
+        ctx.start(plan)  # the fit's facts, found once: every rank's micro-batch size, the schedule, where it starts
+        ctx.optimizers = [updating_optimizer(o) for o in trainer.optimizers]
+        batcher.start(trainer, pl_module, owner=self, ctx=ctx)  # split loader batches where the plan says so
+        self._resume.data.fit_started(trainer, ctx, self._spec.target_batch_size, "adaptive" in features)
+        features.dispatch(Event.FIT_START, ctx)
+        batcher.start_halves(trainer, pl_module, owner=self, ctx=ctx)  # where the noise scale measures in halves
+        features.settle()  # the features this fit gives nothing to do leave the window events
         assert self._loop is not None, "setup creates it"
         self._loop.take_charge()  # before the loop resets: a restart asks where the last window ended
         self._resume.between_windows(trainer, self._current_state())
-        grows = self._features.handle(Event.WINDOW_OPENING)
-        warn_at_fit_start(trainer, self._spec, self._schedule, ctx.micro_batch_size, grows, batcher.installed)
+        warn_at_fit_start(trainer, plan, features.handle(Event.WINDOW_OPENING), batcher.installed)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
@@ -349,7 +336,7 @@ class AccumulationScheduler(Callback):
         ctx, loop = self._ctx, self._loop
         assert loop is not None, "_take_charge checked it"
         ctx.optimizer_steps = trainer.global_step  # it changes only at a window's end
-        ctx.factor = scheduled_factor(trainer, self._schedule, ctx)
+        ctx.factor = ctx.scheduled_factor(trainer.current_epoch)
         self._features.dispatch(Event.WINDOW_OPENING, ctx)
         ctx.factor = int(min(ctx.factor, trainer.num_training_batches))  # what a window can hold, for the LR and logs
         size = min(ctx.factor, trainer.num_training_batches - ctx.batch_idx)  # a window never spans epochs

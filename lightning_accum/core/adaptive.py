@@ -3,7 +3,7 @@
 McCandlish, Kaplan, Amodei et al. 2018 find that training is most efficient (in both steps and samples) near the
 critical batch ``B_crit``, which the simple noise scale ``B_simple`` estimates, and that the noise scale grows as the
 loss falls. The batch this policy aims for is ``target x B_simple``. It acts on one-sided confidence bounds of the
-estimate (:meth:`~lightning_accum.noise.NoiseScaleEstimate.interval`), never on the estimate alone, and it keeps
+estimate (:meth:`~lightning_accum.core.noise.NoiseScaleEstimate.interval`), never on the estimate alone, and it keeps
 its error rate over the whole run, not per decision:
 
 - **Evidence per measured window** (``NoiseReading.evidence``): the measured windows' moving averages, decaying per
@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_accum.noise import NoiseScaleEstimate
-from lightning_accum.schedule import check_bool, check_int
+from lightning_accum.core.noise import NoiseScaleEstimate
+from lightning_accum.core.schedule import check_bool, check_int
 
 FREE_SHARE = 0.1
 """The largest batch, as a share of the noise scale's lower bound, that growth may reach past the LR schedule's bound
@@ -181,7 +181,7 @@ class AdaptiveFactor:
 
     Example::
 
-        >>> from lightning_accum.noise import NoiseScaleEstimate
+        >>> from lightning_accum.core.noise import NoiseScaleEstimate
         >>> policy = AdaptiveFactor(target=1.0, max_factor=16, confidence=0.9)
         >>> sure = NoiseScaleEstimate(1.0, 100.0, 100.0, 8.0, grad_sq_var=1e-4, trace_var=1.0, covariance=0.0)
         >>> policy.propose(factor=2, batch_per_factor=8.0, estimate=sure)  # 98 to 102 calls for 12: at most double

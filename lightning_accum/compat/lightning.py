@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from lightning_accum._versions import check_lightning
+from lightning_accum.compat.versions import check_lightning
 
 if TYPE_CHECKING:
     from collections.abc import Callable

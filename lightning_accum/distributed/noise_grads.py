@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accum.events import DataParallel
-from lightning_accum.split import label_span
-from lightning_accum.sync import fsdp2_param_groups
+from lightning_accum.core.events import DataParallel
+from lightning_accum.core.split import label_span
+from lightning_accum.distributed.sync import fsdp2_param_groups
 
 # said once per fit, at the first window measured in halves, where the halves' labels bear uneven tokens
 HALVES_BY_ROWS = (

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
-from lightning_accum.events import Context
+from lightning_accum.core.events import Context
 
 
 @dataclass(frozen=True)
@@ -200,7 +200,7 @@ class DataPosition:
 
         Nothing to say where a target batch or adaptive growth (``grows``) keeps the global batch.
         """
-        world, new_world, micro = self.resumed_from, ctx.world_size, ctx.micro_batch_size or 1
+        world, new_world, micro = self.resumed_from, ctx.world_size, ctx.plan.micro_batch_size or 1
         if world is None or world == new_world or target_batch_size is not None or grows:
             return
         was, now = ctx.factor * world * micro, ctx.factor * new_world * micro
@@ -240,12 +240,6 @@ class DataPosition:
         left = max(0, -(-(length * world_size - position) // world_size))  # this rank's indices left in the epoch
         left_batches = left // rows if batch_sampler.drop_last else -(-left // rows)
         return Resume(Dealt(run_order, rank, world_size, length, epoch, position), batches - left_batches, batches)
-
-
-def sampler_ranks(strategy: Any) -> tuple[int, int]:
-    """``(ranks, rank)`` among which ``strategy`` deals a loader's samples (its ``distributed_sampler_kwargs``)."""
-    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-    return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
 
 def _len(obj: Any) -> int | None:

@@ -466,6 +466,34 @@ def count_optimizer_steps(
     return plan_run(schedule, batches_per_epoch, max_epochs, max_steps, samples_per_micro_step)[0]
 
 
+def planned(
+    schedule: Schedule, batches_per_epoch: float, max_epochs: int | None, max_steps: int, samples_per_micro_step: int
+) -> tuple[float, float]:
+    """``(optimizer steps, samples of all ranks)`` a fit plans under ``schedule``, ``inf`` where it has no end.
+
+    Args:
+        schedule: The fit's schedule.
+        batches_per_epoch: Loader batches of an epoch on one rank (``inf``: endless).
+        max_epochs: Epochs to train (``-1``: no limit; ``None``, the Trainer's before it resolves it, counts as ``-1``
+            only once ``max_steps`` bounds the run).
+        max_steps: Optimizer steps after which training stops (``-1``: no limit).
+        samples_per_micro_step: Samples all ranks consume together in one micro-step.
+
+    Example::
+
+        >>> planned(Schedule.constant(4), 10, max_epochs=3, max_steps=-1, samples_per_micro_step=8)
+        (9, 240)
+        >>> planned(Schedule.constant(4), math.inf, max_epochs=3, max_steps=100, samples_per_micro_step=8)
+        (100, inf)
+    """
+    if max_epochs == -1 and max_steps == -1:
+        return math.inf, math.inf
+    if batches_per_epoch == math.inf:
+        return (math.inf if max_steps == -1 else max_steps), math.inf
+    epochs = max_epochs if max_epochs is not None else -1
+    return plan_run(schedule, int(batches_per_epoch), epochs, max_steps, samples_per_micro_step)
+
+
 def plan_run(
     schedule: Schedule,
     batches_per_epoch: int,

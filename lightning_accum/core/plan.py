@@ -12,8 +12,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_accum.scaling import LRScaling, check_rule, lr_scale
-from lightning_accum.schedule import check_int, nearest_valid_batch_sizes
+from lightning_accum.core.scaling import LRScaling, check_rule, lr_scale
+from lightning_accum.core.schedule import check_int, nearest_valid_batch_sizes
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_accum._lightning import trainer_names
-from lightning_accum._run import print_line
+from lightning_accum.compat.lightning import trainer_names
+from lightning_accum.trainer._run import print_line
 
 _SHADOWED = (
     ("epoch_loop", "_should_accumulate"),

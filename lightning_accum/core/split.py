@@ -88,7 +88,7 @@ def split_batch(batch: Any, size: int) -> list[Any]:
         raise TypeError(
             f"AccumulationScheduler cannot split a batch of type {type(batch).__name__} into micro-batches: it holds"
             " no tensor with a batch dimension. Register a splitter with"
-            " `lightning_accum.split.register_splitter(type, fn)`, or give the loader the micro-batch size"
+            " `lightning_accum.core.split.register_splitter(type, fn)`, or give the loader the micro-batch size"
         )
     return [_slice(batch, start, min(start + size, rows), rows) for start in range(0, rows, size)]
 

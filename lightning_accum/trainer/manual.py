@@ -21,14 +21,14 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_accum._lightning import trainer_names
-from lightning_accum._loop import ends_epoch
-from lightning_accum._torch import has_fsdp2_mechanics
-from lightning_accum.schedule import Schedule, check_int
+from lightning_accum.compat.lightning import trainer_names
+from lightning_accum.compat.torch import has_fsdp2_mechanics
+from lightning_accum.core.schedule import Schedule, check_int
+from lightning_accum.core.window import Window
+from lightning_accum.distributed.sync import fsdp2_pending_gradients
 from lightning_accum.strategies.deepspeed import zero_stage
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-from lightning_accum.sync import fsdp2_pending_gradients
-from lightning_accum.window import Window
+from lightning_accum.trainer._loop import ends_epoch
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_accum._versions import release
+from lightning_accum.compat.versions import release
 
 # The oldest torch on which lightning_accum's FSDP2 mechanics are tested exact (2 gloo ranks against plain PyTorch:
 # tests/test_distributed.py, test_precision.py, test_hsdp.py, test_skipped_unit.py, test_fsdp2_checkpoints.py, in

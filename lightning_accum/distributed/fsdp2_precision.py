@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_accum.precision import narrower
-from lightning_accum.sync import fsdp2_param_groups
+from lightning_accum.core.precision import narrower
+from lightning_accum.distributed.sync import fsdp2_param_groups
 
 
 def widen_reduce_dtype(module: nn.Module | None, dtype: torch.dtype) -> Callable[[], None]:

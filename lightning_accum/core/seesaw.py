@@ -5,7 +5,7 @@ An LR schedule that decays trades noise for progress; so does a growing batch. M
 the LR fall by what the optimizer's LR rule gives back for a doubled batch (by ``sqrt(2)`` for Adam's square-root
 rule, not at all for SGD's linear rule); on language models it matches the schedule's loss at equal data in fewer
 steps, as long as the batch stays under the critical batch. In this package the LR rule
-(:mod:`lightning_accum.scaling`) already multiplies the LR by ``sqrt(factor)`` or ``factor``, so Seesaw is a factor
+(:mod:`lightning_accum.core.scaling`) already multiplies the LR by ``sqrt(factor)`` or ``factor``, so Seesaw is a factor
 schedule: ``base x 2**k`` where the schedule's LR stands ``k`` halvings below its peak so far.
 
 The same reading bounds adaptive growth on a fixed budget: past the warmup, a batch ``r`` times the first costs ``r``
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from lightning_accum.schedule import Schedule, Unit, check_bool, check_int
+from lightning_accum.core.schedule import Schedule, Unit, check_bool, check_int
 
 _EPS = 1e-9  # a schedule that lands on exactly half its peak (cosine at mid-way) counts as halved
 

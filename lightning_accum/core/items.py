@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 import torch
 
-from lightning_accum.split import batch_rows
+from lightning_accum.core.split import batch_rows
 
 NormalizeBy = Literal["micro_batch", "sample", "token"]
 NORMALIZE_BY: tuple[NormalizeBy, ...] = ("micro_batch", "sample", "token")

@@ -1,7 +1,7 @@
 """TrainerRun: the features' read-only view of the Trainer, and the actions they may ask of it.
 
 Features never hold the Trainer (``tests/test_architecture.py`` checks it): at ``setup`` the coordinator binds the
-:class:`~lightning_accum.events.Context` to a :class:`TrainerRun`, which answers what the features may know (epoch,
+:class:`~lightning_accum.core.events.Context` to a :class:`TrainerRun`, which answers what the features may know (epoch,
 batches per epoch, loggers, how gradients travel between ranks, the AMP loss scale) and carries out the few actions
 they may ask for (size the progress bar, show values beside it, print a line above it, hand DDP's reduction to the
 callback for a window). :func:`print_line` prints a line of the package's whole, above the bar while one is drawn: the
@@ -22,11 +22,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_accum._lightning import trainer_names
-from lightning_accum.events import Context, DataParallel, Run, takes_dataloader_iter
+from lightning_accum.compat.lightning import trainer_names
+from lightning_accum.core.events import Context, DataParallel, Run, takes_dataloader_iter
+from lightning_accum.distributed.sync import fsdp2_modules
 from lightning_accum.strategies.deepspeed import DeepSpeedAccumulationMixin
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-from lightning_accum.sync import fsdp2_modules
 
 
 class TrainerRun(Run):
@@ -43,6 +43,10 @@ class TrainerRun(Run):
         self._bar = bar if isinstance(bar, (names.TQDMProgressBar, names.RichProgressBar)) else None
         self._total: tuple[int, int] | None = None  # (epoch, total) the bar was last sized to
         self._bar_reset: Callable[..., Any] | None = None  # the bar's own on_train_epoch_start, while wrapped
+
+    @property
+    def names(self) -> Any:  # noqa: D102 (Run's)
+        return self._names
 
     @property
     def epoch(self) -> int:  # noqa: D102 (Run's)

@@ -2,7 +2,7 @@
 
 Lightning runs ``training_step`` once per loader batch. While a fit runs with splitting, :class:`MicroBatcher`
 shadows the module's ``training_step`` with one that slices the loader batch into micro-batches of ``size`` rows
-(:func:`lightning_accum.split.split_batch`) and, for each, tells its :class:`Owner` (the coordinator) that a
+(:func:`lightning_accum.core.split.split_batch`) and, for each, tells its :class:`Owner` (the coordinator) that a
 micro-batch starts, runs the user's ``training_step`` and backpropagates its loss through Lightning's own
 ``strategy.backward`` (the AMP loss scale, the ``on_before_backward`` / ``on_after_backward`` hooks of every callback
 and of the module, as for any backward) with gradient synchronisation skipped. Each micro-batch is a micro-step for
@@ -48,14 +48,16 @@ from typing import Any, Protocol
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_accum._lightning import trainer_names
-from lightning_accum._ranks import any_rank, smallest
-from lightning_accum._run import print_line
-from lightning_accum.coupled import add_listener
-from lightning_accum.split import batch_rows, is_out_of_memory, split_batch, split_problem
+from lightning_accum.compat.lightning import trainer_names
+from lightning_accum.core.events import Context
+from lightning_accum.core.monitor import split_summary
+from lightning_accum.core.split import batch_rows, is_out_of_memory, split_batch, split_problem
+from lightning_accum.core.window import Window
+from lightning_accum.distributed.coupled import add_listener
+from lightning_accum.distributed.sync import skip_gradient_sync
 from lightning_accum.strategies.mixin import AccumulationStrategyMixin
-from lightning_accum.sync import skip_gradient_sync
-from lightning_accum.window import Window
+from lightning_accum.trainer._ranks import any_rank, smallest
+from lightning_accum.trainer._run import print_line
 
 AUTO = "auto"
 
@@ -82,15 +84,15 @@ class MicroBatcher:
 
     Args:
         size: Rows per micro-batch; ``None``: ``"auto"`` starts at the loader batch's size, otherwise a loader batch is
-            split only into the ``parts`` :meth:`install` is given.
+            split only into the parts the noise scale asks for (``ctx.noise_parts``).
         auto: Halve the size on an out-of-memory error and retry the loader batch.
 
     Example::
 
         batcher = MicroBatcher(size=4, auto=False)
-        batcher.install(trainer, module, owner=coordinator, window=window)  # at the fit's start
+        batcher.start(trainer, module, owner=coordinator, ctx=ctx)  # at the fit's start, as ctx.plan says
         ...
-        batcher.release()                                                   # at its end
+        batcher.release()                                           # at its end
     """
 
     def __init__(self, size: int | None, auto: bool) -> None:
@@ -111,20 +113,34 @@ class MicroBatcher:
         # the loader batch's mean loss and its items; None for a batch handed on whole
         self._report: tuple[torch.Tensor | None, Any] | None = (None, None)
 
-    def install(
-        self, trainer: Any, module: Any, owner: Owner, window: Window, parts: Callable[[], int] | None = None
-    ) -> None:
-        """Shadow ``module.training_step`` for this fit; ``window`` says when a loader batch opens a window.
+    def start(self, trainer: Any, module: Any, owner: Owner, ctx: Context) -> None:
+        """At the fit's start, as ``ctx.plan`` says: install where loader batches are split, and hear ``cached`` calls.
 
-        ``parts()`` says, for each loader batch, into how many parts at least to split it (the noise scale measures
-        a window of one loader batch in two halves); with no ``size`` a batch is split only so.
-        With ``"auto"``, a new run (global step 0, no checkpoint) forgets the size an earlier fit found.
+        Sets ``ctx.can_split`` (a coupled step's batch is never split) and starts ``ctx.summary`` with the split.
+        """
+        split = ctx.plan.splitting or self.auto
+        if split:
+            self.install(trainer, module, owner, ctx)
+        ctx.can_split = self.listen(ctx.plan.resumed) and ctx.can_split
+        ctx.summary = [split_summary(self.size)] if split else []  # the features add their phrases
+
+    def start_halves(self, trainer: Any, module: Any, owner: Owner, ctx: Context) -> None:
+        """After ``FIT_START``: install where nothing splits but the noise scale measures one loader batch in halves."""
+        if ctx.noise_parts > 1 and not self.installed:
+            self.install(trainer, module, owner, ctx)
+
+    def install(self, trainer: Any, module: Any, owner: Owner, ctx: Context) -> None:
+        """Shadow ``module.training_step`` for this fit; ``ctx.window`` says when a loader batch opens a window.
+
+        ``ctx.noise_parts`` says, for each loader batch, into how many parts at least to split it (the noise scale
+        measures a window of one loader batch in two halves); with no ``size`` a batch is split only so.
+        With ``"auto"``, a new run (``ctx.plan.resumed`` false) forgets the size an earlier fit found.
         """
         self._unshadow()
-        if self.auto and trainer.global_step == 0 and trainer.ckpt_path is None:
+        if self.auto and not ctx.plan.resumed:
             self.size = None
         self._trainer, self._module, self._original = trainer, module, module.training_step
-        self._owner, self._window, self._parts = owner, window, parts or _whole
+        self._owner, self._window, self._parts = owner, ctx.window, lambda: ctx.noise_parts
         self._inspected = False
         module.training_step = self._training_step
 
@@ -132,7 +148,7 @@ class MicroBatcher:
         """Check the fit's first loader batch, before its window opens: say now what splitting it could not do.
 
         ``halves``: the noise scale will measure windows of one loader batch in two halves (``adaptive=True`` from
-        factor 1 on one process). A batch the splitter cannot cut (:func:`~lightning_accum.split.split_problem`) is
+        factor 1 on one process). A batch the splitter cannot cut (:func:`~lightning_accum.core.split.split_problem`) is
         refused where every batch, or the measured ones, must be cut (a fixed size, the halves), before any weight
         changes; under ``"auto"``, which cuts only after an out-of-memory error, it is warned about once.
 
@@ -152,7 +168,7 @@ class MicroBatcher:
             return
         kind = type(batch).__name__
         remedy = (
-            f"teach the splitter the batch with `lightning_accum.split.register_splitter({kind}, fn)` (see"
+            f"teach the splitter the batch with `lightning_accum.core.split.register_splitter({kind}, fn)` (see"
             " docs/microbatching.md)"
         )
         if fixed:
@@ -172,14 +188,14 @@ class MicroBatcher:
             f" micro-batch: {remedy}"
         )
 
-    def listen(self, trainer: Any) -> bool:
+    def listen(self, resumed: bool) -> bool:
         """Hear the :func:`~lightning_accum.cached` calls of this fit's training steps (until :meth:`release`).
 
-        A new run (global step 0, no checkpoint) learns again whether its step couples its rows; a resumed one knows
-        from the checkpoint, so that a window it resumes inside is never opened again. Returns whether a loader batch
-        may be split (no coupled step known).
+        A new run learns again whether its step couples its rows; a ``resumed`` one knows from the checkpoint, so that
+        a window it resumes inside is never opened again. Returns whether a loader batch may be split (no coupled step
+        known).
         """
-        if trainer.global_step == 0 and trainer.ckpt_path is None:
+        if not resumed:
             self.coupled = None
         if self._unlisten is None:
             self._unlisten = add_listener(self._heard)
