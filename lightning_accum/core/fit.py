@@ -51,8 +51,8 @@ class FitPlan:
     Example::
 
         >>> plan = FitPlan(micro_batch_size=8, world_size=2, schedule=Schedule.constant(4))
-        >>> plan.samples_per_micro_step, plan.schedule.factor_at(0)
-        (16, 4)
+        >>> plan.schedule.factor_at(0), plan.planned_steps
+        (4, inf)
     """
 
     micro_batch_size: int | None = None
@@ -69,11 +69,6 @@ class FitPlan:
     resumed: bool = False
     counted: tuple[int, int] | None = None
     names: Any = None
-
-    @property
-    def samples_per_micro_step(self) -> int:
-        """Samples all ranks consume together in one micro-step (0 when the micro-batch size is unknown)."""
-        return (self.micro_batch_size or 0) * self.world_size
 
 
 def sampler_ranks(strategy: Any) -> tuple[int, int]:

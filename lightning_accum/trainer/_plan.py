@@ -52,17 +52,17 @@ def fit_plan(
     if split:
         check_splitting(trainer, auto, weighs_items)
     world, batches, step = trainer.world_size, trainer.num_training_batches, trainer.global_step
-    schedule = spec.build(micro_batch_size, world)
-    counted, done = None, int(getattr(trainer.fit_loop.epoch_loop.batch_progress.total, "processed", 0))
+    schedule, per_micro_step, counted = spec.build(micro_batch_size, world), (micro_batch_size or 0) * world, None
     if trainer.ckpt_path is not None and not restored and step > 0:  # a checkpoint without the callback's state
-        counted = (done, done * (micro_batch_size or 0) * world)  # what the loop has done counts for the schedule
+        done = int(getattr(trainer.fit_loop.epoch_loop.batch_progress.total, "processed", 0))  # a _ProcessedTracker
+        counted = (done, done * per_micro_step)  # what the loop has done counts for the schedule
         rank_zero_warn(
             f"AccumulationScheduler: the checkpoint {str(trainer.ckpt_path)!r} holds no AccumulationScheduler state"
             f" (it was written without this callback); counting the {done} micro-batches the loop has done"
             f" ({counted[1]} samples) for the schedule, while the LR-scaling base and warmup, the noise-scale"
             " estimate and adaptive growth start afresh"
         )
-    steps, samples = planned(schedule, batches, trainer.max_epochs, trainer.max_steps, (micro_batch_size or 0) * world)
+    steps, samples = planned(schedule, batches, trainer.max_epochs, trainer.max_steps, per_micro_step)
     return FitPlan(
         micro_batch_size,
         world,
